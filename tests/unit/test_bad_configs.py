@@ -37,14 +37,13 @@ CASES = [
      "train_micro_batch_size_per_gpu: neither train_batch_size nor train_micro_batch_size_per_gpu is set "
      "(train_batch_size unset, train_micro_batch_size_per_gpu unset, gradient_accumulation_steps 4, "
      "data-parallel size 2); set train_micro_batch_size_per_gpu"),
-    ("zero stage 2", {"zero_optimization": {"stage": 2}}, None,
-     "zero_optimization.stage: ZeRO stage 2 is not available yet in this version of trident; use stage 0 "
-     "(plain data parallelism)"),
+    ("zero bucket not whole", {"zero_optimization": {"stage": 2, "reduce_bucket_size": 2.5}}, None,
+     "zero_optimization.reduce_bucket_size: expected a positive integer, got 2.5 (float)"),
     ("zero stage 7", {"zero_optimization": {"stage": 7}}, None,
      "zero_optimization.stage: expected one of 0, 1, 2, 3 (the ZeRO stage), got 7"),
     ("known but unimplemented ZeRO key", {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
-     None, "zero_optimization.offload_optimizer: `zero_optimization.offload_optimizer` is a ZeRO stage 1-3 setting "
-           "that this version of trident does not implement yet; remove it"),
+     None, "zero_optimization.offload_optimizer: `zero_optimization.offload_optimizer` is a ZeRO setting "
+           "that this version of trident does not implement; remove it"),
     ("DeepSpeed-only top-level section", {"activation_checkpointing": {}}, None,
      "activation_checkpointing: `activation_checkpointing` is a DeepSpeed setting that this version of trident "
      "does not implement; remove it"),

@@ -31,6 +31,17 @@ BatchSize = Annotated[int | None, BeforeValidator(_auto_is_none)]
 _BATCH = {"expects": 'a positive integer, "auto" or null'}
 
 
+def _integral_float_to_int(value: Any) -> Any:
+    # DeepSpeed configs write element counts as 5e8; JSON makes those floats.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Count = Annotated[int, BeforeValidator(_integral_float_to_int)]
+"""An element or byte count: an integer, also written as a whole float such as 5e8."""
+
+
 # -- precision ---------------------------------------------------------------------------------
 
 class FP16Config(Section):
@@ -128,31 +139,80 @@ class HostAllocatorConfig(Section):
 # -- ZeRO ----------------------------------------------------------------------------------------
 
 class ZeroConfig(Section):
-    """`zero_optimization`; this version has stage 0 only: plain data parallelism."""
+    """`zero_optimization`: which model states are partitioned over the data-parallel ranks.
 
-    stage: int = Field(0, description="ZeRO stage; 0 = no partitioning (plain data parallelism).")
-    reduce_bucket_size: int = Field(500_000_000, gt=0, description=(
-        "Elements per gradient all-reduce bucket: larger buckets mean fewer, bigger messages."))
+    Stage 1 partitions the optimizer states (and fp32 master weights), stage 2 also the
+    gradients, stage 3 also the parameters. Defaults are DeepSpeed's.
+    """
+
+    stage: int = Field(0, description=(
+        "0 = plain data parallelism, 1 = optimizer states partitioned, 2 = + gradients, 3 = + parameters."))
+    reduce_bucket_size: Count = Field(500_000_000, gt=0, description=(
+        "Elements per gradient reduction bucket: larger buckets mean fewer, bigger messages."))
+    allgather_bucket_size: Count = Field(500_000_000, gt=0, description=(
+        "Elements per all-gather of updated parameters after the step (stages 1 and 2)."))
     overlap_comm: bool | None = Field(None, validate_default=True, description=(
-        "Overlap gradient reduction with the backward pass; null picks the stage's default (true "
-        "for stage 0, whose reducer all-reduces each bucket as soon as its gradients are ready)."))
-    allgather_bucket_size: int = Field(500_000_000, gt=0, description="Elements per all-gather bucket.")
+        "Reduce gradients while backward still runs (each bucket is sent as soon as it is full); "
+        "null = true. False reduces everything after backward, in one pass."))
+    contiguous_gradients: bool = Field(True, description=(
+        "Stages 2-3: copy each reduced gradient partition into one preallocated flat buffer, so the "
+        "partition is contiguous instead of one tensor per parameter."))
+    reduce_scatter: bool = Field(True, description=(
+        "Stages 1-2: reduce gradients with reduce-scatter (each rank receives its partition only); "
+        "false uses all-reduce and keeps the rank's slice (twice the traffic)."))
+    round_robin_gradients: bool = Field(False, description=(
+        "Stages 1-2: assign parameters to partitions whole and round-robin instead of cutting one "
+        "flat buffer into equal slices (partitions then differ in size by up to one tensor)."))
+    sub_group_size: Count = Field(1_000_000_000, gt=0, description=(
+        "Elements of a rank's partition the optimizer steps at a time (bounds the step's temporaries)."))
+    stage3_prefetch_bucket_size: Count = Field(50_000_000, ge=0, description=(
+        "Stage 3: elements of parameters gathered ahead of the module about to run; 0 = no prefetch."))
+    stage3_max_live_parameters: Count = Field(1_000_000_000, ge=0, description=(
+        "Stage 3: most gathered (full) parameter elements kept at once; more forces releases."))
+    stage3_max_reuse_distance: Count = Field(1_000_000_000, ge=0, description=(
+        "Stage 3: a parameter needed again within this many elements of gathers stays gathered."))
+    stage3_param_persistence_threshold: Count = Field(100_000, ge=0, description=(
+        "Stage 3: parameters with at most this many elements are kept whole on every rank."))
+    stage3_gather_16bit_weights_on_model_save: bool = Field(False, description=(
+        "Stage 3: save_16bit_model gathers the full weights; false leaves it to the consolidate tool."))
 
     @field_validator("stage")
     @classmethod
-    def _stage_available(cls, stage: int) -> int:
-        if stage in (1, 2, 3):
-            raise rule_error(f"ZeRO stage {stage} is not available yet in this version of trident; "
-                             "use stage 0 (plain data parallelism)")
-        if stage != 0:
-            raise rule_error(f"expected one of 0, 1, 2, 3 (the ZeRO stage), got {stage}; this version "
-                             "of trident implements stage 0 (plain data parallelism)")
+    def _known_stage(cls, stage: int) -> int:
+        if stage not in (0, 1, 2, 3):
+            raise rule_error(f"expected one of 0, 1, 2, 3 (the ZeRO stage), got {stage}")
         return stage
 
     @field_validator("overlap_comm")
     @classmethod
     def _resolve_overlap(cls, overlap: bool | None) -> bool:
         return True if overlap is None else overlap
+
+
+# -- model parallelism ---------------------------------------------------------------------------
+
+class TensorParallelConfig(Section):
+    """`tensor_parallel`: split weight matrices over `size` ranks (a trident section)."""
+
+    size: int = Field(1, gt=0, description="Tensor-parallel ranks per model replica (innermost mesh axis).")
+    sequence_parallel: bool = Field(False, description=(
+        "Run LayerNorm and dropout on sequence shards; all-reduces become all-gather/reduce-scatter."))
+    plan: str | dict[str, str] | None = Field(None, description=(
+        'How to split a model written without trident: a preset name ("gpt2", "llama") or '
+        '{module-name pattern: "column" | "row" | "vocab"}; null for models built from trident layers.'))
+
+
+class PipelineConfig(Section):
+    """`pipeline`: consecutive layers on different ranks, micro-batches streamed through them."""
+
+    stages: int = Field(1, gt=0, description="Pipeline stages (outermost mesh axis).")
+    partition_method: str = Field("parameters", description=(
+        '"parameters" (balance parameter counts), "uniform" (layer counts) or "type:REGEX".'))
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"] = Field("1f1b", description=(
+        "Order of forward and backward work on each stage."))
+    virtual_stages: int = Field(1, gt=0, description="Model chunks per rank (interleaved_1f1b only).")
+    micro_batches: int | None = Field(None, gt=0, description=(
+        "Micro-batches per step; null = gradient_accumulation_steps (they are the same thing)."))
 
 
 # -- trident's built-in trainer (`trident train`; ignored by trident.initialize) ------------------
@@ -222,7 +282,10 @@ class TridentConfig(Section):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Process groups.")
     host_allocator: HostAllocatorConfig = Field(default_factory=HostAllocatorConfig, description=(
         "glibc malloc thresholds on CPU runs."))
-    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO (stage 0 only).")
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stages 0-3.")
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig, description=(
+        "Tensor parallelism."))
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Pipeline parallelism.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="`trident train` only.")
     data: DataConfig = Field(default_factory=DataConfig, description="`trident train` only.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="`trident train` only.")
@@ -249,21 +312,25 @@ class TridentConfig(Section):
 DEPRECATED_ALIASES: dict[str, str] = {
     # DeepSpeed still reads its old name of the bf16 section (BFLOAT16_OLD in its constants).
     "bfloat16": "bf16",
+    # DeepSpeed accepts these names of stage 3 settings (its pydantic aliases).
+    "zero_optimization.prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "zero_optimization.max_live_parameters": "stage3_max_live_parameters",
+    "zero_optimization.max_reuse_distance": "stage3_max_reuse_distance",
+    "zero_optimization.param_persistence_threshold": "stage3_param_persistence_threshold",
+    "zero_optimization.gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
 }
 """Old JSON path -> current key name in the same section. The loader warns once and renames."""
 
-ZERO_STAGE_1_3_KEYS = frozenset({
-    "contiguous_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce", "allgather_partitions",
+ZERO_UNIMPLEMENTED_KEYS = frozenset({
+    "use_multi_rank_bucket_allreduce", "allgather_partitions",
     "load_from_fp32_weights", "elastic_checkpoint", "offload_param", "offload_optimizer", "zenflow",
-    "sub_group_size", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
-    "prefetch_bucket_size", "stage3_prefetch_bucket_size", "param_persistence_threshold",
-    "stage3_param_persistence_threshold", "model_persistence_threshold", "stage3_model_persistence_threshold",
-    "max_live_parameters", "stage3_max_live_parameters", "max_reuse_distance", "stage3_max_reuse_distance",
-    "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save", "module_granularity_threshold",
+    "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
+    "model_persistence_threshold", "stage3_model_persistence_threshold",
+    "module_granularity_threshold",
     "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
     "stage3_use_all_reduce_for_fetch_params", "allgather_sequential", "stage3_allgather_sequential",
-    "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients", "zero_hpz_partition_size",
+    "ignore_unused_parameters", "legacy_stage1", "zero_hpz_partition_size",
     "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
     "zeropp_loco_param", "mics_shard_size", "mics_hierarchical_params_gather", "memory_efficient_linear",
     "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
@@ -275,16 +342,16 @@ _DEEPSPEED_ONLY_TOP_LEVEL = frozenset({
     "compile", "compression_training", "curriculum_learning", "data_efficiency", "data_types",
     "dataloader_drop_last", "disable_allgather", "dump_state", "eigenvalue", "elasticity", "flops_profiler",
     "gradient_allreduce_op", "graph_harvesting", "hybrid_engine", "log_level", "managed_gradient_accumulation",
-    "memory_breakdown", "nebula", "pipeline", "progressive_layer_drop", "sparse_attention",
-    "sparse_gradients", "tensor_parallel", "timers", "torch_autocast", "wandb", "weight_quantization",
+    "memory_breakdown", "nebula", "progressive_layer_drop", "sparse_attention",
+    "sparse_gradients", "timers", "torch_autocast", "wandb", "weight_quantization",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
 })
 
 _DEEPSPEED_SETTING = "`{path}` is a DeepSpeed setting that this version of trident does not implement; remove it"
 
 UNIMPLEMENTED_KEYS: dict[str, tuple[frozenset[str], str]] = {
-    "zero_optimization": (ZERO_STAGE_1_3_KEYS, "`{path}` is a ZeRO stage 1-3 setting that this version of "
-                                               "trident does not implement yet; remove it"),
+    "zero_optimization": (ZERO_UNIMPLEMENTED_KEYS, "`{path}` is a ZeRO setting that this version of "
+                                                   "trident does not implement; remove it"),
     "": (_DEEPSPEED_ONLY_TOP_LEVEL, _DEEPSPEED_SETTING),
     "fp16": (frozenset({"auto_cast", "fp16_master_weights_and_grads"}), _DEEPSPEED_SETTING),
     "bf16": (frozenset({"immediate_grad_update", "check_overflow", "bf16_master_weights_and_grads",

@@ -71,7 +71,7 @@ def initialize(
 
     if mesh is None:
         env = init_distributed(timeout_s=cfg.distributed.timeout_s)
-        mesh = ParallelMesh.build(pp=1, tp=1, device_type=env.device.type)
+        mesh = ParallelMesh.build(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size, device_type=env.device.type)
     setup_logging(mesh.global_rank)
     batch = resolve_batch(cfg, mesh.dp_size)
     device = next(model.parameters()).device

@@ -152,17 +152,24 @@ class Engine(torch.nn.Module):
 
     def step(self) -> None:
         """Advance one micro-step; on the boundary, take the optimizer step."""
-        boundary = self.is_gradient_accumulation_boundary()
-        if boundary:
-            with self.timers("step"):
-                self._take_model_step()
-            self.last_loss = float(self._window_loss) / self.batch.gradient_accumulation_steps
+        if self.is_gradient_accumulation_boundary():
+            self._boundary_step(float(self._window_loss) / self.batch.gradient_accumulation_steps)
             self._window_loss = 0.0
-            self.global_steps += 1
-            self.global_samples += self.batch.train_batch_size
-            self._report()
         self.micro_steps += 1
         self._backward_pending = False
+
+    def _boundary_step(self, window_loss: float) -> None:
+        """The optimizer step that ends an accumulation window, and its bookkeeping.
+
+        `window_loss` is the mean loss of the window, for logging. The pipeline engine calls
+        this once per `train_batch`.
+        """
+        with self.timers("step"):
+            self._take_model_step()
+        self.last_loss = window_loss
+        self.global_steps += 1
+        self.global_samples += self.batch.train_batch_size
+        self._report()
 
     def _take_model_step(self) -> None:
         # Every gradient lives in one flat fp32 buffer: unscaling, the overflow check, the
