@@ -2,8 +2,12 @@
 
 Layout of `save_dir/<tag>/`:
 
-  model.safetensors       model weights in the model's dtype (written by the first dp rank)
-  training_state.pt       optimizer, scheduler, loss scaler, fp32 masters, step counters
+  model.safetensors       model weights in the model's dtype (written by the first rank); under
+                          ZeRO stage 3 only the buffers (parameters live in the partitions)
+  training_state.pt       scheduler, loss scaler, step counters; stage 0 also the optimizer
+                          state and fp32 masters
+  zero_pp<P>_tp<T>_dp<D>.pt   ZeRO stages 1-3: each rank's partition (its layout, fp32 masters
+                          and the optimizer state over them), written by that rank
   client_state.pt         the caller's `client_state` dict (arbitrary picklable objects)
   rng_rank<R>.pt          every rank's RNG states, so dropout resumes exactly
   manifest.json           layout, every tensor's global shape and the slice each file holds,
@@ -75,7 +79,8 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
     partial, final = root / f".{tag}.partial", root / tag
     group = engine.mesh.mesh_group
     rank = engine.mesh.mesh_rank
-    writer = rank == 0  # data parallelism: every rank holds the same model and optimizer state
+    writer = rank == 0  # the model (stages 0-2) and the shared state are the same on every rank
+    zero = engine.reducer.stage > 0
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -85,10 +90,16 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
     rng_file = partial / f"rng_rank{rank}.pt"
     torch.save(_rng_state(), rng_file)
     files[rng_file.name] = _sha256(rng_file)
+    if zero:
+        part = partial / zero_file(engine.mesh)
+        torch.save(engine.reducer.state_dict(), part)
+        files[part.name] = _sha256(part)
     if writer:
-        state = {k: v.detach().contiguous().clone() for k, v in engine.module.state_dict().items()}
-        save_file(state, str(partial / MODEL_FILE))
-        torch.save(engine.training_state(), partial / STATE_FILE)
+        save_file(_model_tensors(engine), str(partial / MODEL_FILE))
+        training = engine.training_state()
+        if not zero:
+            training["strategy"] = engine.reducer.state_dict()
+        torch.save(training, partial / STATE_FILE)
         torch.save(client_state, partial / CLIENT_FILE)
         for name in (MODEL_FILE, STATE_FILE, CLIENT_FILE):
             files[name] = _sha256(partial / name)
@@ -109,26 +120,69 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
     return str(final)
 
 
+def zero_file(mesh) -> str:
+    """Name of this rank's ZeRO partition file."""
+    return f"zero_pp{mesh.pp_rank}_tp{mesh.tp_rank}_dp{mesh.dp_rank}.pt"
+
+
+def _model_tensors(engine) -> dict[str, torch.Tensor]:
+    """What model.safetensors holds: the whole state dict, or under stage 3 only what is not a
+    partitioned parameter. Tied entries are written once (safetensors refuses shared storage)."""
+    out, seen = {}, set()
+    partitioned = engine.reducer.stage == 3
+    params = {id(p) for p in engine.module.parameters()}
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) in seen or (partitioned and id(t) in params):
+            continue
+        seen.add(id(t))
+        out[name] = t.detach().contiguous().clone()
+    return out
+
+
+def tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """State-dict entries that are the same tensor as an earlier entry: alias -> first name."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            tied[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    return tied
+
+
 def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str]) -> None:
     mesh = engine.mesh
+    stored = set(_model_tensors(engine))
     tensors = {
-        name: {"global_shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-               "file": MODEL_FILE, "slice": [[0, n] for n in t.shape]}
-        for name, t in engine.module.state_dict().items()
+        name: {"global_shape": list(_global_shape(t)), "dtype": str(t.dtype).replace("torch.", ""),
+               "file": MODEL_FILE if name in stored else "zero partitions",
+               "slice": [[0, n] for n in _global_shape(t)]}
+        for name, t in engine.module.state_dict(keep_vars=True).items()
     }
     manifest = {
         "format_version": FORMAT_VERSION,
         "tag": tag,
         "global_steps": engine.global_steps,
         "layout": {"world_size": mesh.world_size, "pp": mesh.pp_size, "dp": mesh.dp_size,
-                   "tp": mesh.tp_size, "zero_stage": 0},
+                   "tp": mesh.tp_size, "zero_stage": engine.reducer.stage},
         "tensors": tensors,
+        "tied": tied_names(engine.module),
         "files": {name: {"sha256": digest, "bytes": (folder / name).stat().st_size}
                   for name, digest in sorted(checksums.items())},
     }
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, folder / MANIFEST)
+
+
+def _global_shape(t: torch.Tensor) -> tuple[int, ...]:
+    owner = getattr(t, "_trident_zero", None)
+    if owner is not None and owner.stage == 3:
+        pg = owner.param_to_group[id(t)]
+        index = next(i for i, q in enumerate(pg.params) if q is t)
+        return next(s.shape for u in pg.layout.units for s in u.slots if s.index == index)
+    return tuple(t.shape)
 
 
 def _verified(folder: Path, manifest: dict, name: str) -> Path:
@@ -165,14 +219,31 @@ def load_checkpoint(engine, load_dir: str, tag: str | None, load_optimizer_state
     if not manifest_path.exists():
         raise CheckpointError(f"{manifest_path}: missing; {folder} is not a complete trident checkpoint")
     manifest = json.loads(manifest_path.read_text())
+    stage = manifest["layout"].get("zero_stage", 0)
+    if stage != engine.reducer.stage:
+        raise CheckpointError(f"{manifest_path}: written under ZeRO stage {stage}, this engine runs stage "
+                              f"{engine.reducer.stage}; load it under the same stage, or consolidate it "
+                              "(trident checkpoint consolidate) and load the weights")
     state = load_file(str(_verified(folder, manifest, MODEL_FILE)))
-    engine.module.load_state_dict(state)
+    for alias, name in manifest.get("tied", {}).items():
+        if name in state:
+            state[alias] = state[name]
+    engine.module.load_state_dict(state, strict=stage != 3)
+    partition = None
+    if stage > 0:
+        partition = torch.load(_verified(folder, manifest, zero_file(engine.mesh)), weights_only=False)
+        engine.reducer.load_state_dict(partition, load_optimizer_states=False)  # the weights
     client_state: dict = {}
     if load_module_only:
-        engine.master.copy_from_model()
+        engine.reducer.reload_masters()
     else:
         training = torch.load(_verified(folder, manifest, STATE_FILE), weights_only=False)
         engine.load_training_state(training, load_optimizer_states, load_lr_scheduler_states)
+        strategy_state = partition if stage > 0 else training["strategy"]
+        if load_optimizer_states:
+            engine.reducer.load_state_dict(strategy_state, load_optimizer_states=True)
+        else:
+            engine.reducer.reload_masters()
         client_state = torch.load(_verified(folder, manifest, CLIENT_FILE), weights_only=False)
         rng_name = f"rng_rank{engine.mesh.mesh_rank}.pt"
         if rng_name in manifest["files"]:

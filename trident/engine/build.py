@@ -25,6 +25,7 @@ from trident.comm.logger import CommsLogger
 from trident.config import TridentConfig, load_config, resolve_batch
 from trident.data.sampler import DistributedSampler
 from trident.data_parallel.reducer import GradientReducer
+from trident.data_parallel.replicated import ReplicatedOptimizer
 from trident.engine.engine import Engine
 from trident.engine.host_allocator import tune_glibc_malloc
 from trident.monitor.log import format_bytes, logger, setup_logging
@@ -34,6 +35,7 @@ from trident.optim.schedulers import build_scheduler
 from trident.parallel.mesh import ParallelMesh
 from trident.precision.loss_scaler import make_loss_scaler
 from trident.precision.mixed import MasterWeights, compute_dtype, retarget_optimizer
+from trident.zero.optimizer import ZeroOptimizer
 
 
 def initialize(
@@ -87,17 +89,9 @@ def initialize(
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no parameters with requires_grad=True: nothing to train")
-    master = MasterWeights(params)
-
     comms_logger = CommsLogger(**cfg.comms_logger.model_dump())
-    overlap = cfg.zero_optimization.overlap_comm
-    reducer = GradientReducer(
-        params, mesh.dp_group, bucket_size=cfg.zero_optimization.reduce_bucket_size,
-        overlap_comm=True if overlap is None else overlap,
-        predivide_factor=cfg.gradient_predivide_factor,
-        prescale_gradients=cfg.prescale_gradients, logger=comms_logger,
-    )
-    optimizer = _make_optimizer(optimizer, model_parameters, params, master, cfg)
+    master, reducer, optimizer = _make_strategy(cfg, model, params, optimizer, model_parameters, mesh,
+                                                comms_logger, dtype)
     scheduler = _make_scheduler(lr_scheduler, optimizer, cfg)
     loss_scaler = make_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None
     monitors = Monitors(cfg.tensorboard, cfg.csv_monitor, enabled=mesh.mesh_rank == 0)
@@ -108,24 +102,48 @@ def initialize(
     return engine, optimizer, loader, scheduler
 
 
+def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_logger, dtype):
+    """Stage 0: the all-reduce reducer and fp32 masters; stages 1-3: ZeRO's partitions.
+    Returns (masters or None, the engine's gradient/step strategy, the optimizer)."""
+    zero = cfg.zero_optimization
+    if zero.stage == 0:
+        master = MasterWeights(params)
+        reducer = GradientReducer(
+            params, mesh.dp_group, bucket_size=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
+            predivide_factor=cfg.gradient_predivide_factor, prescale_gradients=cfg.prescale_gradients,
+            logger=comms_logger)
+        optimizer = _make_optimizer(optimizer, model_parameters, params, master, cfg)
+        return master, ReplicatedOptimizer(reducer, master, optimizer, mesh), optimizer
+    optimizer = _make_optimizer(optimizer, model_parameters, params, None, cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    strategy = ZeroOptimizer(zero.stage, optimizer, names, mesh, zero, dtype, cfg.gradient_predivide_factor,
+                             cfg.prescale_gradients, comms_logger, model=model)
+    return None, strategy, optimizer
+
+
 @torch.no_grad()
 def _broadcast_module(model: torch.nn.Module, mesh: ParallelMesh) -> None:
-    """Start every data-parallel replica from the weights of dp rank 0."""
+    """Start every data-parallel replica from the weights of dp rank 0 (parameters built
+    under zero.Init are already identical shards and are skipped)."""
     if mesh.dp_size == 1:
         return
     for t in list(model.parameters()) + list(model.buffers()):
-        collectives.broadcast(t.data, src=0, group=mesh.dp_group)
+        if not hasattr(t, "_trident_shard"):
+            collectives.broadcast(t.data, src=0, group=mesh.dp_group)
 
 
-def _make_optimizer(optimizer, model_parameters, params, master: MasterWeights, cfg) -> torch.optim.Optimizer:
-    mapping = master.mapping()
+def _make_optimizer(optimizer, model_parameters, params, master: MasterWeights | None,
+                    cfg) -> torch.optim.Optimizer:
+    """The optimizer over the masters (stage 0), or over the model's parameters for ZeRO to
+    rebind to its partitions."""
+    mapping = master.mapping() if master is not None else {}
     if isinstance(optimizer, torch.optim.Optimizer):
         retarget_optimizer(optimizer, mapping)
         return optimizer
     if model_parameters is not None:
         targets = _retarget_param_groups(list(model_parameters), mapping)
     else:
-        targets = master.master_params
+        targets = master.master_params if master is not None else params
     if callable(optimizer):
         return optimizer(targets)
     if optimizer is not None:
@@ -156,14 +174,13 @@ def _make_loader(dataset, collate_fn, mesh: ParallelMesh, batch, cfg) -> torch.u
 
 def _log_startup(engine: Engine, device: torch.device) -> None:
     cfg, b, mesh = engine.config, engine.batch, engine.mesh
-    n = sum(p.numel() for p in engine.module.parameters())
+    n = engine.reducer.numel
     logger.info("mesh (pp x dp x tp = %d x %d x %d) on %s:\n%s", mesh.pp_size, mesh.dp_size,
                 mesh.tp_size, device, mesh.describe())
     logger.info("batch: train_batch_size %d = micro %d x accumulation %d x dp %d",
                 b.train_batch_size, b.micro_batch_size, b.gradient_accumulation_steps, mesh.dp_size)
-    logger.info("model: %.2fM parameters in %s; optimizer %s; %d gradient buckets (%s elements max)",
-                n / 1e6, engine.compute_dtype, type(engine.optimizer).__name__,
-                len(engine.reducer.buckets), f"{cfg.zero_optimization.reduce_bucket_size:,}")
+    logger.info("model: %.2fM parameters in %s; optimizer %s; ZeRO stage %d",
+                n / 1e6, engine.compute_dtype, type(engine.optimizer).__name__, engine.reducer.stage)
     mem = engine.memory_breakdown()
     logger.info("model states per rank: %s (optimizer states appear after the first step)",
                 ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()))

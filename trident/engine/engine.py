@@ -172,16 +172,15 @@ class Engine(torch.nn.Module):
         self._report()
 
     def _take_model_step(self) -> None:
-        # Every gradient lives in one flat fp32 buffer: unscaling, the overflow check, the
-        # norm and clipping are each one pass over it rather than one call per tensor.
-        flat = [self.reducer.buffer.data]
-        self.master.attach_grads(self.reducer.grads)
+        # The strategy (stage 0's reducer and masters, or ZeRO's partitions) says which gradient
+        # tensors this rank holds and over which groups they differ; the checks below are one
+        # pass over those tensors plus one all-reduce per group.
+        extra = self._grad_split_groups()
+        parts = [(tensors, tuple(groups) + tuple(extra)) for tensors, groups in self.reducer.grad_parts()]
+        scale = self.loss_scale
         overflow = False
         if self.loss_scaler is not None:
-            flat[0].mul_(1.0 / self.loss_scaler.loss_scale)
-            # After the all-reduce every dp rank holds the same gradient, so an inf on any
-            # rank is already everywhere; the reduction below covers sharded gradients too.
-            overflow = grad_ops.has_overflow(flat, self._grad_split_groups())
+            overflow = grad_ops.has_overflow_parts(parts)
             self.loss_scaler.update_scale(overflow)
         self.last_step_overflowed = overflow
         if overflow:
@@ -190,12 +189,13 @@ class Engine(torch.nn.Module):
             logger.warning("step %d: fp16 gradient overflow, step skipped; loss scale now %g",
                            self.global_steps + 1, self.loss_scale)
         else:
-            norm = grad_ops.global_norm(flat, self._grad_split_groups())
+            norm = grad_ops.global_norm_parts(parts) / scale
             self._global_grad_norm = norm
-            if self.config.gradient_clipping > 0:
-                grad_ops.clip_by_global_norm(flat, self.config.gradient_clipping, norm)
-            self.optimizer.step()
-            self.master.copy_to_model()
+            coef = 1.0 / scale
+            clip = self.config.gradient_clipping
+            if clip > 0 and clip / (norm + 1e-6) < 1.0:
+                coef *= clip / (norm + 1e-6)
+            self.reducer.optimizer_step(coef)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.reducer.zero_grad()
@@ -225,14 +225,23 @@ class Engine(torch.nn.Module):
     # -- accounting ------------------------------------------------------------------------
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes of model states this rank holds: parameters, gradients, masters, optimizer."""
-        params = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        masters = sum(m.numel() * 4 for m, c in zip(self.master.master_params, self.master.is_copy) if c)
-        grads = self.reducer.buffer.data.numel() * self.reducer.buffer.data.element_size()
-        optim = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                    for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-        return {"parameters": params, "gradients": grads, "master_weights": masters,
-                "optimizer_states": optim}
+        """Bytes of model states this rank holds: {"parameters", "gradients", "optimizer_states"}.
+
+        fp32 master weights count as optimizer states, as in the ZeRO paper; scalar optimizer
+        state (Adam's step counter) is not counted.
+        """
+        return self.reducer.memory_breakdown()
+
+    @torch.no_grad()
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict in the compute dtype, on every rank.
+
+        Collective under ZeRO stage 3 (the parameters are gathered); a plain copy otherwise.
+        """
+        from trident.zero.init import GatheredParameters
+
+        with GatheredParameters(list(self.module.parameters())):
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -252,31 +261,22 @@ class Engine(torch.nn.Module):
                                load_module_only=load_module_only)
 
     def training_state(self) -> dict:
-        """Counters and optimizer-side state that a checkpoint must carry."""
+        """Counters, scheduler and loss scaler: the state every rank shares. The optimizer state
+        and masters (per rank under ZeRO) come from `self.reducer.state_dict()`."""
         return {
             "global_steps": self.global_steps,
             "micro_steps": self.micro_steps,
             "global_samples": self.global_samples,
             "skipped_steps": self.skipped_steps,
-            "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-            "master_weights": [m.detach() for m, c in zip(self.master.master_params, self.master.is_copy) if c],
         }
 
     def load_training_state(self, state: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool) -> None:
         for key in ("global_steps", "micro_steps", "global_samples", "skipped_steps"):
             setattr(self, key, state[key])
-        if load_optimizer_states:
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.loss_scaler is not None and state["loss_scaler"] is not None:
-                self.loss_scaler.load_state_dict(state["loss_scaler"])
-            copies = [m for m, c in zip(self.master.master_params, self.master.is_copy) if c]
-            with torch.no_grad():
-                for m, saved in zip(copies, state["master_weights"]):
-                    m.copy_(saved)
-        else:
-            self.master.copy_from_model()
+        if load_optimizer_states and self.loss_scaler is not None and state["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
         if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 

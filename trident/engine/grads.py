@@ -1,15 +1,16 @@
-"""Gradient checks shared by every strategy: overflow detection and global-norm clipping.
+"""Gradient checks shared by every strategy: overflow detection and the global norm.
 
-Both take the process groups over which the gradient is split. Data-parallel replicas hold
-identical gradients after the all-reduce, so plain DP passes no groups; strategies that shard
-gradients (ZeRO, tensor or pipeline parallel) pass the groups whose members hold different
-pieces, and the partial results are summed (norm) or max-ed (overflow) across them.
+Both take *parts*: gradient tensors paired with the process groups across which ranks hold
+different pieces of them. Data-parallel replicas hold identical gradients after the
+all-reduce, so plain DP passes no groups; strategies that shard gradients (ZeRO over dp,
+tensor parallelism over tp, pipeline stages over pp) pass the groups whose members hold
+different pieces, and the partial results are summed (norm) or max-ed (overflow) across them.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,36 +18,41 @@ import torch.distributed as dist
 from trident.comm import collectives
 
 
-def has_overflow(grads: Iterable[torch.Tensor], groups: Sequence[dist.ProcessGroup] = ()) -> bool:
-    """True if any gradient on any rank of `groups` holds inf or nan."""
+Parts = Sequence[tuple[Sequence[torch.Tensor], Sequence[dist.ProcessGroup]]]
+"""Gradient tensors grouped by the process groups across which their ranks hold different pieces."""
+
+
+def has_overflow_parts(parts: Parts) -> bool:
+    """True if any gradient of any part, on any rank of the part's groups, holds inf or nan."""
     local = torch.zeros(1, dtype=torch.float32)
-    for g in grads:
-        # A sum is inf or nan iff some element is (fp32 sums of fp16-range values cannot
-        # overflow), and it is one fast pass where isfinite().all() is several.
-        if not torch.isfinite(g.float().sum()):
+    for tensors, _ in parts:
+        if any(not torch.isfinite(g.float().sum()) for g in tensors):
             local.fill_(1.0)
             break
-    for group in groups:
+    for group in _all_groups(parts):
         collectives.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
     return bool(local.item() > 0)
 
 
-def global_norm(grads: Iterable[torch.Tensor], groups: Sequence[dist.ProcessGroup] = ()) -> float:
-    """L2 norm of the concatenation of all gradients, across the ranks of `groups`."""
-    grads = list(grads)
-    if grads:
-        sq = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square().sum()
-    else:
-        sq = torch.zeros((), dtype=torch.float32)
-    sq = sq.reshape(1).to(torch.float32)
-    for group in groups:
-        collectives.all_reduce(sq, group=group)
-    return math.sqrt(float(sq.item()))
+def global_norm_parts(parts: Parts) -> float:
+    """L2 norm of all gradients: each part's squares are summed over the part's groups, then
+    the parts are added, so replicated tensors count once and split ones piece by piece."""
+    total = 0.0
+    for tensors, groups in parts:
+        tensors = list(tensors)
+        sq = (torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in tensors]).square().sum()
+              if tensors else torch.zeros((), dtype=torch.float32)).reshape(1)
+        for group in groups:
+            collectives.all_reduce(sq, group=group)
+        total += float(sq.item())
+    return math.sqrt(total)
 
 
-def clip_by_global_norm(grads: Sequence[torch.Tensor], max_norm: float, norm: float) -> None:
-    """Scale gradients in place so their global norm is at most `max_norm`."""
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
+def _all_groups(parts: Parts) -> list[dist.ProcessGroup]:
+    seen, out = set(), []
+    for _, groups in parts:
+        for g in groups:
+            if id(g) not in seen:
+                seen.add(id(g))
+                out.append(g)
+    return out

@@ -1,0 +1,78 @@
+"""Stage 0 (plain data parallelism) behind the same interface as `trident.zero.ZeroOptimizer`.
+
+Every rank holds the whole model, whole fp32 gradients (the reducer's flat buffer) and the
+whole optimizer state; the engine's step talks to this object exactly as it talks to ZeRO.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trident.data_parallel.reducer import GradientReducer
+from trident.precision.mixed import MasterWeights
+
+
+class ReplicatedOptimizer:
+    """The gradient reducer, the fp32 masters and the optimizer of a stage-0 engine."""
+
+    stage = 0
+
+    def __init__(self, reducer: GradientReducer, master: MasterWeights, optimizer: torch.optim.Optimizer,
+                 mesh) -> None:
+        self.reducer, self.master, self.optimizer, self.mesh = reducer, master, optimizer, mesh
+        sharded = [bool(getattr(p, "tensor_model_parallel", False)) for p in reducer.params]
+        self._sharded = [g for g, s in zip(reducer.grads, sharded) if s]
+        self._replicated = [g for g, s in zip(reducer.grads, sharded) if not s]
+        self.numel = sum(p.numel() for p in reducer.params)
+
+    def start_backward(self, boundary: bool) -> None:
+        self.reducer.start_backward(boundary)
+
+    def finish_backward(self) -> None:
+        self.reducer.finish_backward()
+
+    def zero_grad(self) -> None:
+        self.reducer.zero_grad()
+
+    def grad_parts(self) -> list[tuple[list[torch.Tensor], tuple]]:
+        """Gradients by the groups their norm is summed over: dp replicas hold the same values,
+        tensor-parallel shards differ across the tp group."""
+        if not self._sharded:
+            return [([self.reducer.buffer.data], ())]
+        tp = (self.mesh.tp_group,) if self.mesh.tp_size > 1 else ()
+        return [(self._replicated, ()), (self._sharded, tp)]
+
+    @torch.no_grad()
+    def optimizer_step(self, grad_coef: float) -> None:
+        if grad_coef != 1.0:
+            self.reducer.buffer.data.mul_(grad_coef)
+        self.master.attach_grads(self.reducer.grads)
+        self.optimizer.step()
+        self.master.copy_to_model()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        params = sum(p.numel() * p.element_size() for p in self.reducer.params)
+        grads = self.reducer.buffer.data.numel() * self.reducer.buffer.data.element_size()
+        masters = sum(m.numel() * 4 for m, c in zip(self.master.master_params, self.master.is_copy) if c)
+        optim = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
+                    for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        return {"parameters": params, "gradients": grads, "optimizer_states": masters + optim}
+
+    def state_dict(self) -> dict:
+        return {"stage": 0, "optimizer": self.optimizer.state_dict(),
+                "master_weights": [m.detach() for m, c in zip(self.master.master_params, self.master.is_copy)
+                                   if c],
+                "master_params_are_copies": list(self.master.is_copy)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state["optimizer"])
+            copies = [m for m, c in zip(self.master.master_params, self.master.is_copy) if c]
+            for m, saved in zip(copies, state["master_weights"]):
+                m.copy_(saved)
+        else:
+            self.master.copy_from_model()
+
+    def reload_masters(self) -> None:
+        self.master.copy_from_model()

@@ -1,0 +1,203 @@
+"""ZeRO stage 2 (and 3) gradients: reduce-scattered during every backward, kept as shards only.
+
+No rank ever holds a whole gradient for long. As backward produces a parameter's gradient, a
+hook copies it into its bucket's staging buffer and drops it; when every parameter of a bucket
+has arrived the bucket is reduce-scattered asynchronously (`overlap_comm`), and rank r adds the
+result, shard r of the summed gradient, into its partition's gradient buffer. Buckets are
+launched strictly in order, so all ranks issue the same collectives whatever order their hooks
+fire in. This happens on every micro-step (the full gradient cannot wait for the window's end,
+there is nowhere to keep it), so accumulation happens in the partitions.
+
+A bucket is one or more consecutive units (stage 2: one unit of about `reduce_bucket_size`
+elements; stage 3: the modules' units, grouped up to `reduce_bucket_size`). Its staging
+buffer is [N, sum of the units' shards]: column block u holds unit u, row r its shard r, so one
+reduce-scatter delivers to rank r exactly its shards of all the units, which sit side by side in
+its partition.
+
+`contiguous_gradients` (on by default) accumulates into one preallocated partition buffer; off,
+each bucket's shard is kept as its own tensor, allocated as it arrives and joined at the step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from trident.comm import collectives
+from trident.comm.logger import CommsLogger
+from trident.zero.partition import ShardedLayout, Unit
+from trident.zero.stage1 import GradScaling
+
+
+class ShardedGradients:
+    """The gradient partition of one partition group (stages 2 and 3)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], layout: ShardedLayout, buckets: list[list[int]],
+                 group: dist.ProcessGroup, dtype: torch.dtype, overlap_comm: bool, contiguous: bool,
+                 scaling: GradScaling, logger: CommsLogger | None,
+                 on_unit_ready: Callable[[int], None] | None = None) -> None:
+        self.params, self.layout, self.buckets = params, layout, buckets
+        self.group, self.dtype = group, dtype
+        self.world = layout.world
+        self.overlap_comm, self.contiguous = overlap_comm, contiguous
+        self.scaling, self.logger, self.on_unit_ready = scaling, logger, on_unit_ready
+        self.device = params[0].device if params else torch.device("cpu")
+        n = layout.partition_numel
+        self.partition = torch.zeros(n, dtype=dtype, device=self.device) if contiguous else None
+        self._pieces: dict[int, torch.Tensor] = {}  # bucket -> its shard, when not contiguous
+        self._slot = {s.index: (u, s) for u in layout.units for s in u.slots}
+        self._bucket_of_unit = {u: b for b, units in enumerate(buckets) for u in units}
+        self._columns = []  # per bucket: {unit: first column of its block}
+        for units in buckets:
+            cols, c = {}, 0
+            for u in units:
+                cols[u] = c
+                c += layout.units[u].shard
+            self._columns.append(cols)
+        self._fresh = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+        self._reset()
+
+    def _reset(self) -> None:
+        self._staging: dict[int, torch.Tensor] = {}
+        self._arrived: list[set[int]] = [set() for _ in self.layout.units]
+        self._units_done = [0] * len(self.buckets)
+        self._next = 0
+        self._handles: list[tuple[int, object, torch.Tensor]] = []
+        self._active = False
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if not self._active:
+                raise RuntimeError("a gradient arrived outside engine.backward(): under ZeRO stage 2 or 3 "
+                                   "call engine.backward(loss), not loss.backward()")
+            unit, slot = self._slot[i]
+            self._write(unit, slot, param.grad)
+            param.grad = None
+            self._arrive(unit.index, i)
+        return hook
+
+    def _write(self, unit: Unit, slot, grad: torch.Tensor) -> None:
+        """Copy a parameter's gradient into its place in the bucket's staging buffer."""
+        b = self._bucket_of_unit[unit.index]
+        staging = self._staging.get(b)
+        if staging is None:
+            staging = self._new_staging(b)
+        col = self._columns[b][unit.index]
+        flat = grad.reshape(-1)
+        a, end = slot.offset, slot.offset + slot.numel
+        while a < end:  # the parameter's elements, cut at the unit's row (shard) boundaries
+            row, c = divmod(a, unit.shard)
+            n = min(end - a, unit.shard - c)
+            staging[row, col + c:col + c + n].copy_(flat[a - slot.offset:a - slot.offset + n])
+            a += n
+
+    def _new_staging(self, b: int) -> torch.Tensor:
+        width = sum(self.layout.units[u].shard for u in self.buckets[b])
+        staging = torch.empty(self.world, width, dtype=self.dtype, device=self.device)
+        for u in self.buckets[b]:  # zero only the padding; every real element is written
+            unit = self.layout.units[u]
+            if unit.padded > unit.numel:
+                self._zero_range(staging, b, unit, unit.numel, unit.padded)
+        self._staging[b] = staging
+        return staging
+
+    def _zero_range(self, staging: torch.Tensor, b: int, unit: Unit, start: int, end: int) -> None:
+        col = self._columns[b][unit.index]
+        a = start
+        while a < end:
+            row, c = divmod(a, unit.shard)
+            n = min(end - a, unit.shard - c)
+            staging[row, col + c:col + c + n].zero_()
+            a += n
+
+    def _arrive(self, u: int, i: int) -> None:
+        arrived = self._arrived[u]
+        if i in arrived:
+            raise RuntimeError(f"parameter {i} produced two gradients in one backward; ZeRO stage 2/3 "
+                               "needs one backward per engine.backward() call")
+        arrived.add(i)
+        if len(arrived) == len(self.layout.units[u].slots):
+            if self.on_unit_ready is not None:
+                self.on_unit_ready(u)
+            b = self._bucket_of_unit[u]
+            self._units_done[b] += 1
+            if self.overlap_comm:
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._units_done[self._next] == len(self.buckets[self._next]):
+            self._launch(self._next)
+
+    def _launch(self, b: int) -> None:
+        staging = self._staging.pop(b, None)
+        if staging is None:
+            staging = self._new_staging(b)
+            self._staging.pop(b)
+        for u in self.buckets[b]:  # parameters that got no gradient contribute zeros
+            unit = self.layout.units[u]
+            for s in unit.slots:
+                if s.index not in self._arrived[u]:
+                    self._zero_range(staging, b, unit, s.offset, s.offset + s.numel)
+        self.scaling.before(staging)
+        out = torch.empty(staging.shape[1], dtype=self.dtype, device=self.device)
+        handle = collectives.reduce_scatter(out, staging, group=self.group, async_op=True, logger=self.logger)
+        self._handles.append((b, handle, out))
+        self._next += 1
+
+    # -- engine-facing ---------------------------------------------------------------------
+
+    def bucket_range(self, b: int) -> tuple[int, int]:
+        first = self.layout.units[self.buckets[b][0]]
+        width = sum(self.layout.units[u].shard for u in self.buckets[b])
+        return first.partition_offset, first.partition_offset + width
+
+    def start_backward(self, boundary: bool) -> None:
+        self._reset()
+        self._active = True
+
+    def finish_backward(self) -> None:
+        """Reduce what is left, in bucket order, and add every result into the partition."""
+        for u, unit in enumerate(self.layout.units):
+            if len(self._arrived[u]) < len(unit.slots) and self.on_unit_ready is not None:
+                self.on_unit_ready(u)
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+        for b, handle, out in self._handles:
+            handle.wait()
+            self.scaling.after(out)
+            lo, hi = self.bucket_range(b)
+            if self.contiguous:
+                target = self.partition[lo:hi]
+                target.copy_(out) if self._fresh else target.add_(out)
+            elif self._fresh or b not in self._pieces:
+                self._pieces[b] = out
+            else:
+                self._pieces[b].add_(out)
+        self._fresh = False
+        self._reset()
+
+    def flat(self) -> torch.Tensor:
+        """This rank's gradient partition as one flat tensor (joined first when not contiguous)."""
+        if self.contiguous or not self._pieces:
+            if self.partition is None:
+                self.partition = torch.zeros(self.layout.partition_numel, dtype=self.dtype, device=self.device)
+            return self.partition
+        self.partition = torch.cat([self._pieces[b] for b in range(len(self.buckets))])
+        self._pieces = {}
+        return self.partition
+
+    def zero_grad(self) -> None:
+        self._fresh = True
+        if not self.contiguous:
+            self.partition = None
+            self._pieces = {}
+
+    def nbytes(self) -> int:
+        held = self.partition.numel() if self.partition is not None else 0
+        held += sum(t.numel() for t in self._pieces.values())
+        return held * torch.empty((), dtype=self.dtype).element_size()

@@ -1,0 +1,298 @@
+"""ZeRO stage 3: parameters live as shards and are gathered module by module, just in time.
+
+Each module's own parameters (not its children's) form one unit (trident.zero.partition). A
+rank keeps only its shard of every unit. Hooks on each module:
+
+- before forward: all-gather the units the module needs (one all-gather per unit, straight
+  into the unit's flat buffer, the parameters becoming views of it);
+- after forward: release them (the parameter's data becomes an empty tensor again), unless
+  the recorded trace says they are needed again within `stage3_max_reuse_distance` elements;
+  and wrap the outputs so that backward reaching the module gathers the units again;
+- in backward a unit is released once every one of its parameters has produced its gradient
+  (trident.zero.stage2 reports that), which also makes tied parameters and modules called
+  several times per forward safe: a unit stays whole until its last use.
+
+Prefetch: the order of gathers on the first step is recorded; afterwards, each gather also
+starts the asynchronous gathers of the next modules in that order, up to
+`stage3_prefetch_bucket_size` elements and `stage3_max_live_parameters` gathered elements.
+Units whose parameters are all at most `stage3_param_persistence_threshold` elements (layer
+norms, biases) stay whole on every rank; only their gradients and optimizer states are
+partitioned, and they are re-gathered after each step.
+
+A parameter shared by two modules (tied embeddings) belongs to the unit of the first module in
+`named_modules()` order; every module that holds it gathers that unit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trident.comm import collectives
+
+_Key = tuple[int, int]  # (partition group position, unit index)
+
+
+def module_units(model: torch.nn.Module) -> tuple[list[list[torch.nn.Parameter]], dict]:
+    """Units of the model: each module's directly owned parameters, a shared parameter going to
+    its first owner. Returns the units and, per module, the parameters it uses directly."""
+    seen: set[int] = set()
+    units, uses = [], {}
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if own:
+            uses[module] = own
+        fresh = [p for p in own if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        if fresh:
+            units.append(fresh)
+    return units, uses
+
+
+class Stage3Coordinator:
+    """Gathers and releases parameter units around each module's forward and backward."""
+
+    def __init__(self, zero, model: torch.nn.Module, uses: dict) -> None:
+        self.zero, self.cfg = zero, zero.cfg
+        self.group, self.world, self.rank = zero.group, zero.world, zero.rank
+        self.units = {(gi, u.index): (pg, u) for gi, pg in enumerate(zero.groups) for u in pg.layout.units}
+        key_of_param = {id(pg.params[s.index]): (gi, u.index)
+                        for gi, pg in enumerate(zero.groups) for u in pg.layout.units for s in u.slots}
+        self.keys_of = {m: sorted({key_of_param[id(p)] for p in ps if id(p) in key_of_param})
+                        for m, ps in uses.items()}
+        self.keys_of = {m: k for m, k in self.keys_of.items() if k}
+        threshold = self.cfg.stage3_param_persistence_threshold
+        self.persistent = {key for key, (pg, u) in self.units.items()
+                           if all(s.numel <= threshold for s in u.slots)}
+        self.full: dict[_Key, torch.Tensor] = {}
+        self.held: set[_Key] = set()  # gathered for zero.GatheredParameters: not released by hooks
+        self.pending: dict[_Key, tuple[torch.Tensor, Any]] = {}
+        self.trace: list | None = None
+        self._recording: list = []
+        self._cursor = 0
+        self._next_use: list[dict[_Key, int]] = []
+        self._cum: list[int] = []
+        self._hooks = [model.register_forward_pre_hook(self._on_root_forward)]
+        for m in self.keys_of:
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(m.register_forward_hook(self._post_forward))
+        self._hooks.append(model.register_forward_hook(self._on_root_done))
+        for key in self.units:
+            self._release(key, force=True)
+        self.refresh_persistent()
+
+    # -- gather and release ------------------------------------------------------------------
+
+    def numel(self, key: _Key) -> int:
+        return self.units[key][1].padded
+
+    def live_numel(self) -> int:
+        return sum(t.numel() for t in self.full.values()) + sum(t.numel() for t, _ in self.pending.values())
+
+    def _launch(self, key: _Key) -> None:
+        if key in self.full or key in self.pending:
+            return
+        pg, unit = self.units[key]
+        shard = pg.partition[unit.partition_offset:unit.partition_offset + unit.shard]
+        full = torch.empty(unit.padded, dtype=shard.dtype, device=shard.device)
+        if self.world == 1:
+            full.copy_(shard)
+            handle = None
+        else:
+            handle = collectives.all_gather(full, shard, group=self.group, async_op=True, logger=self.zero.logger)
+        self.pending[key] = (full, handle)
+
+    def _wait(self, key: _Key) -> None:
+        if key not in self.pending:
+            return
+        full, handle = self.pending.pop(key)
+        if handle is not None:
+            handle.wait()
+        pg, unit = self.units[key]
+        for s in unit.slots:
+            pg.params[s.index].data = full[s.offset:s.offset + s.numel].view(s.shape)
+        self.full[key] = full
+
+    def gather(self, keys) -> None:
+        """Make the units whole now (launching all first, then waiting, so they overlap)."""
+        for key in keys:
+            self._launch(key)
+        for key in keys:
+            self._wait(key)
+
+    def _release(self, key: _Key, force: bool = False) -> None:
+        if (key in self.persistent or key in self.held) and not force:
+            return
+        if key in self.pending:
+            self._wait(key)
+        pg, unit = self.units[key]
+        for s in unit.slots:
+            p = pg.params[s.index]
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.full.pop(key, None)
+
+    def live_numel_of(self, pg) -> int:
+        """Gathered (whole) elements of one partition group's units right now."""
+        return sum(self.numel(k) for k in list(self.full) + list(self.pending) if self.units[k][0] is pg)
+
+    def hold(self, keys) -> None:
+        """Gather units and keep them whole until `unhold` (zero.GatheredParameters)."""
+        self.gather(sorted(keys))
+        self.held.update(keys)
+
+    @torch.no_grad()
+    def unhold(self, keys, write_back: bool) -> None:
+        """End a hold; with `write_back`, the whole values become the shards (and masters)."""
+        for key in sorted(keys):
+            self.held.discard(key)
+            if write_back:
+                pg, unit = self.units[key]
+                lo, hi = unit.shard_range(self.rank)
+                pg.partition[unit.partition_offset:unit.partition_offset + unit.shard].copy_(self.full[key][lo:hi])
+            self._release(key)
+        if write_back:
+            self.zero.reload_masters()
+
+    def release_all(self) -> None:
+        for key in list(self.full) + list(self.pending):
+            self._release(key)
+
+    @torch.no_grad()
+    def refresh_persistent(self) -> None:
+        """Re-gather the units kept whole (after each optimizer step updated their shards)."""
+        for key in self.persistent:
+            self.full.pop(key, None)
+            self._launch(key)
+        for key in self.persistent:
+            self._wait(key)
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _on_root_forward(self, module, args) -> None:
+        self._cursor = 0
+        if self.trace is None and not self._recording:
+            self._recording = []
+
+    def _on_root_done(self, module, args, output) -> None:
+        if not torch.is_grad_enabled():
+            self.release_all()
+
+    def _pre_forward(self, module, args) -> None:
+        self.fetch_module(module)
+
+    def _post_forward(self, module, args, output):
+        pos = self._cursor - 1 if self.trace is not None else None
+        for key in self.keys_of[module]:
+            if not self._reused_soon(key, pos):
+                self._release(key)
+        if torch.is_grad_enabled():
+            return _wrap_outputs(output, self, module)
+        return output
+
+    def fetch_module(self, module) -> None:
+        keys = self.keys_of[module]
+        pos = None
+        if self.trace is None:
+            self._recording.append(module)
+        else:
+            pos = self._advance(module)
+        self.gather(keys)
+        if pos is not None:
+            self._prefetch(pos + 1)
+
+    def _advance(self, module) -> int | None:
+        for j in range(self._cursor, len(self.trace)):
+            if self.trace[j] is module:
+                self._cursor = j + 1
+                return j
+        return None
+
+    def _prefetch(self, start: int) -> None:
+        budget = self.cfg.stage3_prefetch_bucket_size
+        live = self.live_numel()
+        for m in self.trace[start:]:
+            for key in self.keys_of[m]:
+                if key in self.full or key in self.pending:
+                    continue
+                n = self.numel(key)
+                if n > budget or live + n > self.cfg.stage3_max_live_parameters:
+                    return
+                self._launch(key)
+                budget -= n
+                live += n
+
+    def _reused_soon(self, key: _Key, pos: int | None) -> bool:
+        if pos is None or pos >= len(self._next_use):
+            return False
+        nxt = self._next_use[pos].get(key)
+        return nxt is not None and self._cum[nxt] - self._cum[pos + 1] <= self.cfg.stage3_max_reuse_distance
+
+    def unit_ready(self, gi: int, u: int) -> None:
+        """All gradients of a unit have arrived: backward is done with it."""
+        self._release((gi, u))
+
+    def end_backward(self) -> None:
+        if self.trace is None and self._recording:
+            self._set_trace(self._recording)
+            self._recording = []
+        self.release_all()
+        self._cursor = 0
+
+    def _set_trace(self, trace: list) -> None:
+        self.trace = trace
+        self._cum = [0]
+        for m in trace:
+            self._cum.append(self._cum[-1] + sum(self.numel(k) for k in self.keys_of[m]))
+        self._next_use = [{} for _ in trace]
+        later: dict[_Key, int] = {}
+        for i in range(len(trace) - 1, -1, -1):
+            self._next_use[i] = dict(later)
+            for key in self.keys_of[trace[i]]:
+                later[key] = i
+
+
+class _GatherBeforeBackward(torch.autograd.Function):
+    """Identity in forward; in backward, gathers the module's units before its gradients run."""
+
+    @staticmethod
+    def forward(ctx, coordinator, module, tensor):
+        ctx.coordinator, ctx.module = coordinator, module
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.coordinator.fetch_module(ctx.module)
+        return None, None, grad
+
+
+def _wrap_outputs(output, coordinator, module):
+    if isinstance(output, torch.Tensor):
+        if output.requires_grad:
+            return _GatherBeforeBackward.apply(coordinator, module, output)
+        return output
+    if isinstance(output, tuple) and not hasattr(output, "_fields"):
+        return tuple(_wrap_outputs(o, coordinator, module) for o in output)
+    if isinstance(output, list):
+        return [_wrap_outputs(o, coordinator, module) for o in output]
+    if isinstance(output, dict):
+        return type(output)({k: _wrap_outputs(v, coordinator, module) for k, v in output.items()})
+    return output
+
+
+@torch.no_grad()
+def build_partition(pg, rank: int, world: int, dtype: torch.dtype) -> None:
+    """Fill `pg.partition` with this rank's shard of every unit, from whole parameters (or from
+    the shards `trident.zero.Init` left on them), one unit at a time."""
+    from trident.zero.init import full_data
+
+    layout = pg.layout
+    device = pg.params[0].device
+    pg.partition = torch.zeros(layout.partition_numel, dtype=dtype, device=device)
+    for unit in layout.units:
+        lo, hi = unit.shard_range(rank)
+        target = pg.partition[unit.partition_offset:unit.partition_offset + unit.shard]
+        for slot, a, b in unit.pieces(rank):
+            flat = full_data(pg.params[slot.index]).reshape(-1)
+            start = slot.offset + a - lo
+            target[start:start + (b - a)].copy_(flat[a:b])
