@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trident.cli import config_check, launch, train
+from trident.cli import checkpoint_cmd, config_check, launch, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(sub)
     config = sub.add_parser("config", help="inspect configs")
     config_check.add_parser(config.add_subparsers(dest="config_command", metavar="SUBCOMMAND"))
+    checkpoint_cmd.add_parser(sub)
     return parser
 
 

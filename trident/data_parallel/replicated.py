@@ -18,8 +18,9 @@ class ReplicatedOptimizer:
     stage = 0
 
     def __init__(self, reducer: GradientReducer, master: MasterWeights, optimizer: torch.optim.Optimizer,
-                 mesh) -> None:
+                 mesh, names: list[str]) -> None:
         self.reducer, self.master, self.optimizer, self.mesh = reducer, master, optimizer, mesh
+        self.names = names
         sharded = [bool(getattr(p, "tensor_model_parallel", False)) for p in reducer.params]
         self._sharded = [g for g, s in zip(reducer.grads, sharded) if s]
         self._replicated = [g for g, s in zip(reducer.grads, sharded) if not s]
@@ -62,7 +63,7 @@ class ReplicatedOptimizer:
         return {"stage": 0, "optimizer": self.optimizer.state_dict(),
                 "master_weights": [m.detach() for m, c in zip(self.master.master_params, self.master.is_copy)
                                    if c],
-                "master_params_are_copies": list(self.master.is_copy)}
+                "master_params_are_copies": list(self.master.is_copy), "names": self.names}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:

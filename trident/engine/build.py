@@ -113,7 +113,8 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
             predivide_factor=cfg.gradient_predivide_factor, prescale_gradients=cfg.prescale_gradients,
             logger=comms_logger)
         optimizer = _make_optimizer(optimizer, model_parameters, params, master, cfg)
-        return master, ReplicatedOptimizer(reducer, master, optimizer, mesh), optimizer
+        names = {id(p): n for n, p in model.named_parameters()}
+        return master, ReplicatedOptimizer(reducer, master, optimizer, mesh, [names[id(p)] for p in params]), optimizer
     optimizer = _make_optimizer(optimizer, model_parameters, params, None, cfg)
     names = {id(p): n for n, p in model.named_parameters()}
     strategy = ZeroOptimizer(zero.stage, optimizer, names, mesh, zero, dtype, cfg.gradient_predivide_factor,

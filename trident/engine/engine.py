@@ -245,6 +245,44 @@ class Engine(torch.nn.Module):
 
     # -- checkpoints -----------------------------------------------------------------------
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Write the model's weights in the compute dtype to save_dir/save_filename (rank 0).
+
+        Collective. Under ZeRO stage 3 the weights are gathered only when
+        `stage3_gather_16bit_weights_on_model_save` is true; otherwise nothing is written, a
+        warning says to consolidate the checkpoint instead, and False is returned (DeepSpeed's
+        behaviour). A `.safetensors` name writes safetensors, anything else torch.save.
+        """
+        import os
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        if self.reducer.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            logger.warning("save_16bit_model: ZeRO stage 3 keeps the weights partitioned and "
+                           "zero_optimization.stage3_gather_16bit_weights_on_model_save is false, so nothing "
+                           "was saved; set it to true, or save a checkpoint and run "
+                           "`trident checkpoint consolidate`")
+            return False
+        state = self.consolidated_state_dict()
+        if self.global_rank == 0:
+            path = Path(save_dir) / save_filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            if path.suffix == ".safetensors":
+                seen, unique = set(), {}
+                for k, v in self.module.state_dict(keep_vars=True).items():
+                    if id(v) not in seen:
+                        seen.add(id(v))
+                        unique[k] = state[k].contiguous()
+                save_file(unique, str(tmp))
+            else:
+                torch.save(state, tmp)
+            os.replace(tmp, path)
+        from trident.comm import collectives
+        collectives.barrier(group=self.mesh.mesh_group)
+        return True
+
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> str:
         """Write model, optimizer, scheduler and RNG state under save_dir/tag, atomically."""

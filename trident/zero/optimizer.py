@@ -96,7 +96,8 @@ class ZeroOptimizer:
         norm_groups = (self.group,) + ((self.mesh.tp_group,) if sharded and self.mesh.tp_size > 1 else ())
         if self.stage == 3:
             index = {id(p): i for i, p in enumerate(params)}
-            groups = [[(index[id(p)], tuple(p.shape)) for p in unit if id(p) in index] for unit in stage3_units]
+            groups = [[(index[id(p)], tuple(getattr(p, "_trident_shape", p.shape))) for p in unit if id(p) in index]
+                      for unit in stage3_units]
             layout = layout_from_groups([u for u in groups if u], self.world)
         else:
             shapes = [tuple(p.shape) for p in params]
@@ -327,6 +328,8 @@ class ZeroOptimizer:
             for m, t in zip(pg.masters, saved["masters"]):
                 m.copy_(t)
             self._sync_params(pg)
+        if self.coordinator is not None:
+            self.coordinator.refresh_persistent()
         if load_optimizer_states:
             self.optimizer.load_state_dict(state["optimizer"])
 

@@ -292,7 +292,8 @@ def build_partition(pg, rank: int, world: int, dtype: torch.dtype) -> None:
     for unit in layout.units:
         lo, hi = unit.shard_range(rank)
         target = pg.partition[unit.partition_offset:unit.partition_offset + unit.shard]
+        # Every parameter of the unit, on every rank: gathering zero.Init shards is collective.
+        whole = {s.index: full_data(pg.params[s.index]).reshape(-1) for s in unit.slots}
         for slot, a, b in unit.pieces(rank):
-            flat = full_data(pg.params[slot.index]).reshape(-1)
             start = slot.offset + a - lo
-            target[start:start + (b - a)].copy_(flat[a:b])
+            target[start:start + (b - a)].copy_(whole[slot.index][a:b])
