@@ -15,6 +15,7 @@ from trident.engine.host_allocator import tune_glibc_malloc
 from trident.checkpointing.consolidate import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
 from trident.cli.main import main as cli_main
 from trident.models.gpt import GPT, GPTConfig
+from trident.planner.memory import model_state_bytes, trident_state_bytes
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import assert_losses_close, assert_state_close
 from tests.parity.test_dp_equivalence import LR, MODEL, make_model, make_tokens, mean_losses, serial_reference
@@ -56,14 +57,10 @@ def one_step(stage: int, precision: str, zero: dict):
 
 
 def expected_model_states(stage: int, precision: str, phi: int, n: int) -> dict[str, float]:
-    """The ZeRO paper's per-rank bytes, K = 12 (fp32 masters + Adam moments) in mixed precision
-    and K = 8 (Adam moments; the parameters are their own masters) in fp32."""
-    p, k = (2, 12) if precision == "bf16" else (4, 8)
-    return {
-        "parameters": p * phi / (n if stage == 3 else 1),
-        "gradients": p * phi / (n if stage >= 2 else 1),
-        "optimizer_states": k * phi / n,
-    }
+    """The ZeRO paper's per-rank bytes, from the planner's one copy of the formulas: K = 12
+    (fp32 masters + Adam moments) in mixed precision, K = 8 in fp32 (the parameters are their
+    own masters)."""
+    return model_state_bytes(phi, stage, n, trident_state_bytes(stage, precision, "adamw")).as_dict()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

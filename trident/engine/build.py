@@ -185,3 +185,20 @@ def _log_startup(engine: Engine, device: torch.device) -> None:
     mem = engine.memory_breakdown()
     logger.info("model states per rank: %s (optimizer states appear after the first step)",
                 ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()))
+    predicted = _predicted_model_states(engine)
+    if predicted is not None:
+        logger.info("model states per rank, theory (trident.planner): %s; total %s",
+                    ", ".join(f"{k} {format_bytes(v)}" for k, v in predicted.as_dict().items()),
+                    format_bytes(predicted.total))
+
+
+def _predicted_model_states(engine: Engine):
+    """The planner's formula for this engine's stage, dp size, precision and optimizer."""
+    from trident.planner.memory import OPTIMIZER_STATE_BYTES, model_state_bytes, trident_state_bytes
+
+    name = type(engine.optimizer).__name__.lower()
+    if name not in OPTIMIZER_STATE_BYTES:
+        return None
+    precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(engine.compute_dtype, "fp32")
+    state = trident_state_bytes(engine.reducer.stage, precision, name)
+    return model_state_bytes(engine.reducer.numel, engine.reducer.stage, engine.mesh.dp_size, state)
