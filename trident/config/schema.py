@@ -215,6 +215,24 @@ class PipelineConfig(Section):
         "Micro-batches per step; null = gradient_accumulation_steps (they are the same thing)."))
 
 
+# -- parameter server ----------------------------------------------------------------------------
+
+class ParameterServerConfig(Section):
+    """`parameter_server`: servers hold the parameters and run the optimizer; workers compute
+    gradients, push them and pull fresh parameters (a trident section)."""
+
+    servers: int = Field(0, ge=0, description=(
+        "Server ranks; 0 = no parameter server (collective data parallelism). The first S ranks serve."))
+    mode: Literal["sync", "async"] = Field("sync", description=(
+        "sync: a server waits for every worker's gradient (equals data parallelism); async: it applies "
+        "each gradient as it arrives."))
+    staleness: int = Field(0, ge=0, description=(
+        "async: a worker more than this many versions behind a shard blocks until it catches up "
+        "(0 = synchronous)."))
+    placement: Literal["round_robin", "balanced"] = Field("balanced", description=(
+        "How parameters are assigned to servers: tensor by tensor in turn, or balanced by size."))
+
+
 # -- trident's built-in trainer (`trident train`; ignored by trident.initialize) ------------------
 
 class ModelConfig(Section):
@@ -286,6 +304,8 @@ class TridentConfig(Section):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig, description=(
         "Tensor parallelism."))
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Pipeline parallelism.")
+    parameter_server: ParameterServerConfig = Field(default_factory=ParameterServerConfig, description=(
+        "Parameter-server training."))
     model: ModelConfig = Field(default_factory=ModelConfig, description="`trident train` only.")
     data: DataConfig = Field(default_factory=DataConfig, description="`trident train` only.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="`trident train` only.")
