@@ -70,6 +70,11 @@ def initialize(
     if source is None:
         raise ValueError("trident.initialize needs config=<path to a JSON file, or a dict>")
     cfg = load_config(source)
+    if cfg.parameter_server.servers > 0:
+        from trident.parameter_server import initialize_parameter_server
+        return initialize_parameter_server(cfg, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                           training_data=training_data, lr_scheduler=lr_scheduler,
+                                           collate_fn=collate_fn, mesh=mesh)
 
     if mesh is None:
         env = init_distributed(timeout_s=cfg.distributed.timeout_s)
