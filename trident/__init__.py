@@ -1,9 +1,13 @@
 """trident: train models too large or too slow for one device on torch.distributed.
 
 Public API: `initialize` (DeepSpeed's signature) returns an `Engine`; `ParallelMesh` holds the
-process groups of a (pp, dp, tp) layout; `load_config` parses a DeepSpeed-style JSON config.
+process groups of a (pp, dp, tp) layout; `load_config` parses a DeepSpeed-style JSON config;
+`zero.Init` / `zero.GatheredParameters` build and edit partitioned models; the ZeRO checkpoint
+consolidation functions carry DeepSpeed's names.
 """
 
+from trident import zero
+from trident.checkpointing import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
 from trident.config import load_config
 from trident.engine.build import initialize
 from trident.engine.engine import Engine
@@ -11,4 +15,5 @@ from trident.parallel.mesh import ParallelMesh
 
 __version__ = "0.1.0"
 
-__all__ = ["initialize", "Engine", "ParallelMesh", "load_config", "__version__"]
+__all__ = ["initialize", "Engine", "ParallelMesh", "load_config", "zero", "get_fp32_state_dict_from_zero_checkpoint",
+           "load_state_dict_from_zero_checkpoint", "__version__"]
