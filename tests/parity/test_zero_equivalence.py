@@ -65,7 +65,10 @@ def test_zero_matches_serial(stage, world, micro, gas, clip):
 @pytest.mark.parametrize("stage,zero", [
     (1, {"reduce_scatter": False, "overlap_comm": False}),
     (2, {"contiguous_gradients": False, "round_robin_gradients": True}),
-    (3, {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0, "contiguous_gradients": False}),
+    (2, {"reduce_scatter": False, "overlap_comm": False, "sub_group_size": 100_000}),
+    (3, {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0, "contiguous_gradients": False,
+         "reduce_scatter": False}),
+    (3, {"stage3_max_live_parameters": 0, "reduce_bucket_size": 100_000, "overlap_comm": False}),
 ])
 def test_zero_switches_keep_the_maths(stage, zero):
     ref_losses, ref_weights = serial_reference(8, 0.05)

@@ -219,3 +219,22 @@ def test_cli_rejects_bad_world_size(tmp_path, capsys):
         config_check.main(["check", write(tmp_path, {}), "--world-size", "0"])
     assert info.value.code == 2
     assert "expected a positive integer, got '0'" in capsys.readouterr().err
+
+
+def test_zero_keys_that_do_not_apply_to_the_stage_are_listed():
+    cfg = load_config({"zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": 5,
+                                             "stage3_param_persistence_threshold": 100_000,
+                                             "contiguous_gradients": False, "reduce_scatter": False}})
+    assert cfg.zero_optimization.inapplicable_keys() == ["stage3_prefetch_bucket_size"]
+    cfg = load_config({"zero_optimization": {"stage": 1, "contiguous_gradients": False}})
+    assert cfg.zero_optimization.inapplicable_keys() == ["contiguous_gradients"]
+    cfg = load_config({"zero_optimization": {"stage": 3, "round_robin_gradients": True, "sub_group_size": 5e8}})
+    assert cfg.zero_optimization.inapplicable_keys() == ["round_robin_gradients"]
+
+
+def test_deepspeed_aliases_and_float_counts_in_zero():
+    cfg = load_config({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 2e7,
+                                             "param_persistence_threshold": 1e4, "reduce_bucket_size": 5e8}})
+    z = cfg.zero_optimization
+    assert (z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold, z.reduce_bucket_size) == \
+        (20_000_000, 10_000, 500_000_000)

@@ -158,11 +158,12 @@ class ZeroConfig(Section):
         "Stages 2-3: copy each reduced gradient partition into one preallocated flat buffer, so the "
         "partition is contiguous instead of one tensor per parameter."))
     reduce_scatter: bool = Field(True, description=(
-        "Stages 1-2: reduce gradients with reduce-scatter (each rank receives its partition only); "
-        "false uses all-reduce and keeps the rank's slice (twice the traffic)."))
+        "Reduce gradients with reduce-scatter (each rank receives its shard only); false all-reduces "
+        "each bucket and keeps the rank's shard: the same result for twice the traffic."))
     round_robin_gradients: bool = Field(False, description=(
-        "Stages 1-2: assign parameters to partitions whole and round-robin instead of cutting one "
-        "flat buffer into equal slices (partitions then differ in size by up to one tensor)."))
+        "Stages 1-2: lay the parameters into the flat buffers in round-robin order (every N-th "
+        "parameter in backward order together, DeepSpeed's reordering), which changes which "
+        "gradients share a bucket; the result is the same."))
     sub_group_size: Count = Field(1_000_000_000, gt=0, description=(
         "Elements of a rank's partition the optimizer steps at a time (bounds the step's temporaries)."))
     stage3_prefetch_bucket_size: Count = Field(50_000_000, ge=0, description=(
@@ -175,6 +176,17 @@ class ZeroConfig(Section):
         "Stage 3: parameters with at most this many elements are kept whole on every rank."))
     stage3_gather_16bit_weights_on_model_save: bool = Field(False, description=(
         "Stage 3: save_16bit_model gathers the full weights; false leaves it to the consolidate tool."))
+
+    def inapplicable_keys(self) -> list[str]:
+        """Keys set away from their defaults that have no effect at this stage (DeepSpeed
+        configs often carry stage 3 keys into stage 2 runs; the engine warns about them)."""
+        first_stage = {"reduce_scatter": 1, "allgather_bucket_size": 1, "sub_group_size": 1,
+                       "contiguous_gradients": 2, "round_robin_gradients": 1}
+        first_stage.update({k: 3 for k in type(self).model_fields if k.startswith("stage3_")})
+        default = ZeroConfig()
+        return [k for k, first in first_stage.items()
+                if getattr(self, k) != getattr(default, k)
+                and (self.stage < first or (k == "round_robin_gradients" and self.stage == 3))]
 
     @field_validator("stage")
     @classmethod

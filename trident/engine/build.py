@@ -95,6 +95,9 @@ def initialize(
     if not params:
         raise ValueError("the model has no parameters with requires_grad=True: nothing to train")
     comms_logger = CommsLogger(**cfg.comms_logger.model_dump())
+    for key in cfg.zero_optimization.inapplicable_keys():
+        logger.warning("zero_optimization.%s has no effect at ZeRO stage %d (it is kept for DeepSpeed "
+                       "compatibility); remove it or change the stage", key, cfg.zero_optimization.stage)
     master, reducer, optimizer = _make_strategy(cfg, model, params, optimizer, model_parameters, mesh,
                                                 comms_logger, dtype)
     scheduler = _make_scheduler(lr_scheduler, optimizer, cfg)

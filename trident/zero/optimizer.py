@@ -156,7 +156,8 @@ class ZeroOptimizer:
             buckets = [[u.index for u in units] for units in _group_units(pg.layout, self.cfg.reduce_bucket_size)]
         pg.grads = ShardedGradients(pg.params, pg.layout, buckets, self.group, self.dtype, overlap,
                                     self.cfg.contiguous_gradients, self.scaling, self.logger,
-                                    on_unit_ready=functools.partial(self._unit_ready, pg))
+                                    on_unit_ready=functools.partial(self._unit_ready, pg),
+                                    reduce_scatter=self.cfg.reduce_scatter, rank=self.rank)
 
     def _unit_ready(self, pg: PartitionGroup, u: int) -> None:
         if self.coordinator is not None:

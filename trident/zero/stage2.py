@@ -37,11 +37,13 @@ class ShardedGradients:
     def __init__(self, params: list[torch.nn.Parameter], layout: ShardedLayout, buckets: list[list[int]],
                  group: dist.ProcessGroup, dtype: torch.dtype, overlap_comm: bool, contiguous: bool,
                  scaling: GradScaling, logger: CommsLogger | None,
-                 on_unit_ready: Callable[[int], None] | None = None) -> None:
+                 on_unit_ready: Callable[[int], None] | None = None, reduce_scatter: bool = True,
+                 rank: int = 0) -> None:
         self.params, self.layout, self.buckets = params, layout, buckets
         self.group, self.dtype = group, dtype
         self.world = layout.world
         self.overlap_comm, self.contiguous = overlap_comm, contiguous
+        self.use_reduce_scatter, self.rank = reduce_scatter, rank
         self.scaling, self.logger, self.on_unit_ready = scaling, logger, on_unit_ready
         self.device = params[0].device if params else torch.device("cpu")
         n = layout.partition_numel
@@ -144,8 +146,12 @@ class ShardedGradients:
                 if s.index not in self._arrived[u]:
                     self._zero_range(staging, b, unit, s.offset, s.offset + s.numel)
         self.scaling.before(staging)
-        out = torch.empty(staging.shape[1], dtype=self.dtype, device=self.device)
-        handle = collectives.reduce_scatter(out, staging, group=self.group, async_op=True, logger=self.logger)
+        if self.use_reduce_scatter:
+            out = torch.empty(staging.shape[1], dtype=self.dtype, device=self.device)
+            handle = collectives.reduce_scatter(out, staging, group=self.group, async_op=True, logger=self.logger)
+        else:  # all-reduce the whole bucket and keep this rank's row: twice the traffic
+            handle = collectives.all_reduce(staging, group=self.group, async_op=True, logger=self.logger)
+            out = staging[self.rank]
         self._handles.append((b, handle, out))
         self._next += 1
 
@@ -175,7 +181,7 @@ class ShardedGradients:
                 target = self.partition[lo:hi]
                 target.copy_(out) if self._fresh else target.add_(out)
             elif self._fresh or b not in self._pieces:
-                self._pieces[b] = out
+                self._pieces[b] = out if self.use_reduce_scatter else out.clone()  # not a view of staging
             else:
                 self._pieces[b].add_(out)
         self._fresh = False
