@@ -30,6 +30,7 @@ from trident.config import TridentConfig, load_config
 from trident.data.datasets import load_text_dataset
 from trident.data.tokenizer import load_tokenizer
 from trident.models.gpt import GPT, GPT_PRESETS, GPTConfig
+from trident.monitor.log import format_bytes, logger
 from trident.monitor.plot import plot_metrics
 from trident.monitor.progress import ProgressBar
 from trident.monitor.writers import CSVMonitor, TensorBoardMonitor
@@ -67,6 +68,27 @@ def _batches(loader):
         loader.sampler.set_epoch(epoch)
         yield from loader
         epoch += 1
+
+
+def _memory_report(engine, model_cfg: GPTConfig) -> str:
+    """After the first step: this rank's model states against trident.planner's estimate for
+    the same model and layout, and the planner's activation estimate."""
+    from trident.planner import Layout, Workload, estimate, make_cluster, model_from_gpt_config
+    from trident.planner.memory import trident_state_bytes
+
+    precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(engine.compute_dtype, "fp32")
+    stage, mesh = engine.reducer.stage, engine.mesh
+    layout = Layout(dp=mesh.dp_size, tp=mesh.tp_size, pp=mesh.pp_size, zero_stage=stage,
+                    micro_batch=engine.train_micro_batch_size_per_gpu())
+    workload = Workload(seq_len=model_cfg.seq_len, global_batch=engine.train_batch_size(), precision=precision,
+                        optimizer="adamw", attention="eager", dropout=model_cfg.dropout > 0)
+    est = estimate(model_from_gpt_config(model_cfg), layout, make_cluster("a100-80gb", mesh.world_size),
+                   workload, trident_state_bytes(stage, precision, "adamw"))
+    measured = engine.memory_breakdown()
+    rows = [f"{k} {format_bytes(v)} (planner {format_bytes(est.memory.states.as_dict()[k])})"
+            for k, v in measured.items()]
+    return ("memory per rank after step 1: " + ", ".join(rows)
+            + f"; activations, planner: {format_bytes(est.memory.activations)}")
 
 
 def train(cfg: TridentConfig) -> Path:
@@ -107,6 +129,8 @@ def train(cfg: TridentConfig) -> Path:
             "grad_norm": engine.get_global_grad_norm() or float("nan"),
             "tokens_per_s": tokens_per_step / (time.perf_counter() - start),
         }
+        if step == 1 and is_writer:
+            logger.info(_memory_report(engine, model_cfg))
         bar.update(step, metrics)
         if is_writer and step % cfg.trainer.log_interval == 0:
             csv.write_events([(k, v, step) for k, v in metrics.items()])

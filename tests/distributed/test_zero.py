@@ -310,3 +310,33 @@ def test_bf16_and_fp16_track_fp32(stage):
     assert len(skipped) == 1 and skipped.pop() > 0
     assert fp16[0][2] < 2.0 ** 40
     assert abs(first_mean(fp16)[-1] - ref[11 - fp16[0][1]]) < 0.05 * ref[0]
+
+
+def save_bf16(stage: int, root: str):
+    mesh = cached_mesh()
+    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 0, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "zero_optimization": {"stage": stage}}
+    engine, *_ = trident.initialize(model=make_model(), config=cfg, mesh=mesh)
+    batch = make_tokens(8)[mesh.dp_rank * 4:mesh.dp_rank * 4 + 4]
+    engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+    engine.step()
+    engine.save_checkpoint(root)
+    if stage == 0:
+        return [m.clone() for m in engine.reducer.state_dict()["master_weights"]]
+    return None
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_consolidation_of_bf16_runs_returns_the_fp32_masters(stage, tmp_path):
+    root = str(tmp_path / "ckpt")
+    results = run_on_ranks(2, save_bf16, stage, root)
+    state = get_fp32_state_dict_from_zero_checkpoint(root)
+    assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
+    bf16 = {k: v.float() for k, v in trident.checkpointing.consolidate.load_file(
+        str(tmp_path / "ckpt" / "global_step1" / "model.safetensors")).items()}
+    for name, value in bf16.items():  # the masters round to the saved bf16 weights, and are finer
+        assert torch.equal(state[name].bfloat16().float(), value), name
+    assert any(not torch.equal(state[n], bf16[n]) for n in bf16)
+    if stage == 0:
+        flat = torch.cat([m.reshape(-1) for m in results[0]])
+        assert flat.numel() == sum(state[n].numel() for n in bf16 if n != "lm_head.weight")

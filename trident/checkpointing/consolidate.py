@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from trident.checkpointing.state import (MANIFEST, MODEL_FILE, STATE_FILE, CheckpointError, _verified, resolve_tag)
+from trident.checkpointing.state import MANIFEST, MODEL_FILE, CheckpointError, _verified, resolve_tag
 from trident.zero.partition import ShardedLayout
 
 
@@ -75,8 +75,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: st
 
 
 def _stage0_masters(folder: Path, manifest: dict) -> dict[str, torch.Tensor]:
-    training = torch.load(_verified(folder, manifest, STATE_FILE), weights_only=False)
-    strategy = training.get("strategy", {})
+    strategy = torch.load(_verified(folder, manifest, "optim_pp0_tp0.pt"), weights_only=False)
     names, copies = strategy.get("names", []), strategy.get("master_params_are_copies", [])
     masters = iter(strategy.get("master_weights", []))
     return {name: next(masters) for name, is_copy in zip(names, copies) if is_copy}

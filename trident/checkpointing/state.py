@@ -2,16 +2,17 @@
 
 Layout of `save_dir/<tag>/`:
 
-  model.safetensors       model weights in the model's dtype (written by the first rank); under
-                          ZeRO stage 3 only the buffers (parameters live in the partitions)
-  training_state.pt       scheduler, loss scaler, step counters; stage 0 also the optimizer
-                          state and fp32 masters
-  zero_pp<P>_tp<T>_dp<D>.pt   ZeRO stages 1-3: each rank's partition (its layout, fp32 masters
-                          and the optimizer state over them), written by that rank
+  model.safetensors       model weights in the model's dtype, written by data-parallel rank 0
+                          (with pp or tp > 1: model_pp<P>_tp<T>.safetensors, one per position);
+                          under ZeRO stage 3 only the buffers (parameters live in the partitions)
+  optim_pp<P>_tp<T>.pt    stage 0: optimizer state and fp32 masters (data-parallel rank 0)
+  zero_pp<P>_tp<T>_dp<D>.pt   ZeRO stages 1-3: each rank's partition (its layout, fp32 master
+                          shards and the optimizer state over them), written by that rank
+  training_state.pt       step counters, scheduler, loss scaler (shared by all ranks)
   client_state.pt         the caller's `client_state` dict (arbitrary picklable objects)
   rng_rank<R>.pt          every rank's RNG states, so dropout resumes exactly
   manifest.json           layout, every tensor's global shape and the slice each file holds,
-                          and every file's size and sha256
+                          tied names, and every file's size and sha256
 
 Atomicity: all ranks write into `save_dir/.<tag>.partial/`; after a barrier the first rank
 writes the manifest, renames the folder to `<tag>` and only then replaces `latest`. A crash
@@ -35,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from trident.comm import collectives
 from trident.monitor.log import logger
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "training_state.pt"
@@ -79,7 +80,6 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
     partial, final = root / f".{tag}.partial", root / tag
     group = engine.mesh.mesh_group
     rank = engine.mesh.mesh_rank
-    writer = rank == 0  # the model (stages 0-2) and the shared state are the same on every rank
     zero = engine.reducer.stage > 0
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -87,27 +87,33 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
     collectives.barrier(group=group)
 
     files: dict[str, str] = {}
-    rng_file = partial / f"rng_rank{rank}.pt"
-    torch.save(_rng_state(), rng_file)
-    files[rng_file.name] = _sha256(rng_file)
-    if zero:
-        part = partial / zero_file(engine.mesh)
-        torch.save(engine.reducer.state_dict(), part)
-        files[part.name] = _sha256(part)
-    if writer:
-        save_file(_model_tensors(engine), str(partial / MODEL_FILE))
-        training = engine.training_state()
+    tensors: dict[str, dict] = {}
+
+    def write(name: str, save) -> None:
+        save(partial / name)
+        files[name] = _sha256(partial / name)
+
+    write(f"rng_rank{rank}.pt", lambda path: torch.save(_rng_state(), path))
+    if zero:  # every rank: its own partition
+        write(zero_file(engine.mesh), lambda path: torch.save(engine.reducer.state_dict(), path))
+    if engine.mesh.dp_rank == 0:  # one replica per (pp, tp) position writes what the replicas share
+        model = model_file(engine.mesh)
+        write(model, lambda path: save_file(_model_tensors(engine), str(path)))
+        tensors = _tensor_entries(engine, model)
         if not zero:
-            training["strategy"] = engine.reducer.state_dict()
-        torch.save(training, partial / STATE_FILE)
-        torch.save(client_state, partial / CLIENT_FILE)
-        for name in (MODEL_FILE, STATE_FILE, CLIENT_FILE):
-            files[name] = _sha256(partial / name)
-    gathered: list = [None] * engine.mesh.world_size
-    dist.all_gather_object(gathered, files, group=group)
+            write(optim_file(engine.mesh), lambda path: torch.save(engine.reducer.state_dict(), path))
     if rank == 0:
-        checksums = {name: digest for per_rank in gathered for name, digest in per_rank.items()}
-        _write_manifest(engine, partial, tag, checksums)
+        write(STATE_FILE, lambda path: torch.save(engine.training_state(), path))
+        write(CLIENT_FILE, lambda path: torch.save(client_state, path))
+    gathered: list = [None] * engine.mesh.world_size
+    dist.all_gather_object(gathered, (files, tensors), group=group)
+    if rank == 0:
+        checksums = {name: digest for per_rank, _ in gathered for name, digest in per_rank.items()}
+        entries: dict[str, dict] = {}
+        for _, per_rank in gathered:
+            for name, entry in per_rank.items():
+                entries.setdefault(name, {**entry, "shards": []})["shards"] += entry["shards"]
+        _write_manifest(engine, partial, tag, checksums, entries)
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -151,15 +157,40 @@ def tied_names(module: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
-def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str]) -> None:
-    mesh = engine.mesh
+def model_file(mesh) -> str:
+    """Name of the model file of this rank's (pp, tp) position."""
+    if mesh.pp_size == 1 and mesh.tp_size == 1:
+        return MODEL_FILE
+    return f"model_pp{mesh.pp_rank}_tp{mesh.tp_rank}.safetensors"
+
+
+def optim_file(mesh) -> str:
+    """Name of the stage-0 optimizer state file of this rank's (pp, tp) position."""
+    return f"optim_pp{mesh.pp_rank}_tp{mesh.tp_rank}.pt"
+
+
+def _tensor_entries(engine, file: str) -> dict[str, dict]:
+    """For each state-dict entry this rank holds: global shape, dtype, and the slice of the
+    global tensor its file (or, under stage 3, the ZeRO partitions) holds."""
     stored = set(_model_tensors(engine))
-    tensors = {
-        name: {"global_shape": list(_global_shape(t)), "dtype": str(t.dtype).replace("torch.", ""),
-               "file": MODEL_FILE if name in stored else "zero partitions",
-               "slice": [[0, n] for n in _global_shape(t)]}
-        for name, t in engine.module.state_dict(keep_vars=True).items()
-    }
+    mesh = engine.mesh
+    out = {}
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        local = list(_global_shape(t))
+        shape = list(local)
+        dim = getattr(t, "partition_dim", None) if getattr(t, "tensor_model_parallel", False) else None
+        sl = [[0, n] for n in local]
+        if dim is not None and mesh.tp_size > 1:
+            shape[dim] = local[dim] * mesh.tp_size
+            sl[dim] = [mesh.tp_rank * local[dim], (mesh.tp_rank + 1) * local[dim]]
+        out[name] = {"global_shape": shape, "dtype": str(t.dtype).replace("torch.", ""),
+                     "shards": [{"file": file if name in stored else "zero partitions",
+                                 "pp": mesh.pp_rank, "tp": mesh.tp_rank, "slice": sl}]}
+    return out
+
+
+def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str], tensors: dict[str, dict]) -> None:
+    mesh = engine.mesh
     manifest = {
         "format_version": FORMAT_VERSION,
         "tag": tag,
@@ -224,7 +255,14 @@ def load_checkpoint(engine, load_dir: str, tag: str | None, load_optimizer_state
         raise CheckpointError(f"{manifest_path}: written under ZeRO stage {stage}, this engine runs stage "
                               f"{engine.reducer.stage}; load it under the same stage, or consolidate it "
                               "(trident checkpoint consolidate) and load the weights")
-    state = load_file(str(_verified(folder, manifest, MODEL_FILE)))
+    layout = manifest["layout"]
+    if (layout["pp"], layout["tp"]) != (engine.mesh.pp_size, engine.mesh.tp_size) or \
+            (stage > 0 and layout["dp"] != engine.mesh.dp_size):
+        raise CheckpointError(f"{manifest_path}: written with pp={layout['pp']}, dp={layout['dp']}, tp={layout['tp']}; "
+                              f"this engine has pp={engine.mesh.pp_size}, dp={engine.mesh.dp_size}, "
+                              f"tp={engine.mesh.tp_size}. Load it under the layout it was written with, or "
+                              "consolidate it (trident checkpoint consolidate) and load the weights")
+    state = load_file(str(_verified(folder, manifest, model_file(engine.mesh))))
     for alias, name in manifest.get("tied", {}).items():
         if name in state:
             state[alias] = state[name]
@@ -239,7 +277,8 @@ def load_checkpoint(engine, load_dir: str, tag: str | None, load_optimizer_state
     else:
         training = torch.load(_verified(folder, manifest, STATE_FILE), weights_only=False)
         engine.load_training_state(training, load_optimizer_states, load_lr_scheduler_states)
-        strategy_state = partition if stage > 0 else training["strategy"]
+        strategy_state = partition if stage > 0 else torch.load(
+            _verified(folder, manifest, optim_file(engine.mesh)), weights_only=False)
         if load_optimizer_states:
             engine.reducer.load_state_dict(strategy_state, load_optimizer_states=True)
         else:

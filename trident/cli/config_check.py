@@ -12,17 +12,9 @@ import argparse
 import json
 import sys
 
+from trident.cli.args import positive_int
 from trident.config import ConfigError, batch_issues, load_config, resolve_batch
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -30,7 +22,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("check", help="validate a config and print it resolved",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("file", help="DeepSpeed-style JSON config")
-    p.add_argument("--world-size", type=_positive_int, default=None,
+    p.add_argument("--world-size", type=positive_int, default=None,
                    help="data-parallel ranks to resolve the batch sizes for")
     p.set_defaults(func=run)
     return p

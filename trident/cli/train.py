@@ -8,16 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from trident.cli.args import positive_int
 from trident.cli.launch import add_launch_arguments, launch
 from trident.config import ConfigError, load_config
 from trident.trainer import DEFAULT_CONFIG
 
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_parser(subparsers) -> None:
@@ -26,7 +21,7 @@ def add_parser(subparsers) -> None:
     add_launch_arguments(p)
     p.set_defaults(nproc=2)
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="DeepSpeed-style JSON config")
-    p.add_argument("--steps", type=_positive_int, default=None, help="override trainer.train_steps")
+    p.add_argument("--steps", type=positive_int, default=None, help="override trainer.train_steps")
     p.add_argument("--run-dir", default=None, help="override trainer.run_dir")
     p.add_argument("--run-name", default=None, help="override trainer.run_name")
     p.set_defaults(func=run)

@@ -205,6 +205,8 @@ def _predicted_model_states(engine: Engine):
     from trident.planner.memory import OPTIMIZER_STATE_BYTES, model_state_bytes, trident_state_bytes
 
     name = type(engine.optimizer).__name__.lower()
+    if name == "sgd" and not any(g.get("momentum", 0) for g in engine.optimizer.param_groups):
+        name = "sgd-nomomentum"
     if name not in OPTIMIZER_STATE_BYTES:
         return None
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(engine.compute_dtype, "fp32")

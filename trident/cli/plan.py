@@ -1,0 +1,176 @@
+"""`trident plan`: predict memory, communication and step time, and choose a layout.
+
+    trident plan --model gpt3-175b --gpus 1024 [--gpu a100-80gb] [--nodes-of 8]
+                 [--seq-len 2048] [--global-batch 1536] [--config ds.json] [--top 10] [--json]
+    trident plan --params 7.5e9 --gpus 64
+
+MODEL is a preset, a Hugging Face-style config.json, or --layers/--hidden/--heads/--vocab.
+Without --config every valid layout is estimated and those that fit are ranked by predicted
+throughput; with --config the one layout it describes is reported in full. --params gives
+model-state memory per GPU and per node for each ZeRO stage and offload choice. The exit
+status is 1 when nothing fits (or the --config layout does not), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from trident.cli.args import positive_int
+from trident.planner.estimate import estimate
+from trident.planner.layout import Layout, Workload
+from trident.planner.memory import mixed_precision_bytes, zero_state_table
+from trident.planner.presets import (GPU_PRESETS, MODEL_PRESETS, GiB, ModelSpec, make_cluster, model_from_hf_config,
+                                     model_preset)
+from trident.planner.search import search
+
+
+
+def _positive_count(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number such as 7.5e9, got {text!r}")
+    return value
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `plan` on the `trident` subparsers."""
+    p = subparsers.add_parser("plan", help="predict memory and speed; choose a parallel layout",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_argument_group("model (one of)")
+    what.add_argument("--model", help=f"a preset ({', '.join(MODEL_PRESETS)}) or a config.json path")
+    what.add_argument("--params", type=_positive_count, help="a parameter count: model-state memory only")
+    for flag, help_ in (("--layers", "transformer layers"), ("--hidden", "d_model"), ("--heads", "attention heads"),
+                        ("--vocab", "vocabulary size")):
+        what.add_argument(flag, type=positive_int, help=help_)
+    p.add_argument("--gpus", type=positive_int, required=True, help="number of GPUs (the world size)")
+    p.add_argument("--gpu", default="a100-80gb", choices=sorted(GPU_PRESETS), help="GPU preset (default a100-80gb)")
+    p.add_argument("--nodes-of", type=positive_int, default=None, help="GPUs per node (default 8)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--global-batch", type=positive_int, default=None,
+                   help="sequences per optimizer step (default: about 1M tokens, a multiple of --gpus)")
+    p.add_argument("--config", default=None, help="a trident/DeepSpeed JSON config: report its layout")
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 (or the config's)")
+    p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, lion or adagrad (default adam)")
+    p.add_argument("--top", type=positive_int, default=10, help="ranked layouts to print (default 10)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=run)
+    return p
+
+
+def _model(args: argparse.Namespace) -> ModelSpec:
+    shape = {"n_layer": args.layers, "d_model": args.hidden, "n_head": args.heads, "vocab_size": args.vocab}
+    given = {k: v for k, v in shape.items() if v is not None}
+    if given:
+        if args.model or len(given) < 4:
+            raise ValueError("an explicit model needs all of --layers --hidden --heads --vocab and no --model")
+        return ModelSpec("custom", seq_len=args.seq_len or 2048, **given)
+    if not args.model:
+        raise ValueError("say which model: --model PRESET_OR_CONFIG_JSON, --params COUNT, or "
+                         "--layers --hidden --heads --vocab")
+    if args.model.endswith(".json") or Path(args.model).is_file():
+        return model_from_hf_config(args.model)
+    return model_preset(args.model)
+
+
+def _offload_device(zero, key: str) -> str:
+    """DeepSpeed's `zero_optimization.<key>.device` ("cpu", "nvme" or "none"); absent = "none"."""
+    device = getattr(getattr(zero, key, None), "device", None) or "none"
+    return str(getattr(device, "value", device))
+
+
+def _config_layout(path: str, gpus: int) -> tuple[Layout, dict]:
+    """The layout a trident/DeepSpeed config describes, and what it says of batch and precision."""
+    from trident.config import load_config, resolve_batch
+    cfg = load_config(path)
+    tp, pp = cfg.tensor_parallel.size, cfg.pipeline.stages
+    if gpus % (tp * pp):
+        raise ValueError(f"--gpus {gpus} is not a multiple of tensor_parallel.size {tp} x pipeline.stages {pp}; "
+                         "change --gpus or the config")
+    dp = gpus // (tp * pp)
+    batch = resolve_batch(cfg, dp)
+    zero = cfg.zero_optimization
+    # Sections this version of the config may not have yet: absent means off.
+    ckpt_section = getattr(cfg, "activation_checkpointing", None)
+    ckpt = "none" if ckpt_section is None else getattr(ckpt_section, "mode", "full")
+    layout = Layout(dp, tp, pp, zero.stage, batch.micro_batch_size, ckpt, cfg.tensor_parallel.sequence_parallel,
+                    _offload_device(zero, "offload_optimizer"), _offload_device(zero, "offload_param"),
+                    cfg.pipeline.schedule, cfg.pipeline.virtual_stages)
+    precision = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
+    optimizer = cfg.optimizer.type.lower() if cfg.optimizer else None
+    return layout, {"global_batch": batch.train_batch_size, "precision": precision, "optimizer": optimizer}
+
+
+def _state_table(args: argparse.Namespace, out) -> int:
+    per_node = args.nodes_of or min(8, args.gpus)
+    precision = args.precision or "bf16"
+    rows = zero_state_table(args.params, args.gpus, per_node, precision, args.optimizer)
+    if args.json:
+        print(json.dumps({"params": args.params, "gpus": args.gpus, "gpus_per_node": per_node, "precision": precision,
+                          "optimizer": args.optimizer, "rows": [r.__dict__ for r in rows]}, indent=2), file=out)
+        return 0
+    b = mixed_precision_bytes(precision, args.optimizer)
+    print(f"model states of {args.params / 1e9:.2f}B parameters on {args.gpus} GPUs ({per_node} per node), "
+          f"{precision} + {args.optimizer}: {b.parameter:g} + {b.gradient:g} + {b.k:g} bytes per parameter", file=out)
+    print(f"{'stage':<7}{'offload optimizer/params':<26}{'per GPU':>10}{'(GiB)':>8}{'per node host':>15}{'(GiB)':>9}",
+          file=out)
+    for r in rows:
+        print(f"{r.stage:<7}{r.offload_optimizer + '/' + r.offload_params:<26}{r.device_per_gpu / 1e9:>8.2f}GB"
+              f"{r.device_per_gpu / GiB:>8.2f}{r.host_per_node / 1e9:>13.2f}GB{r.host_per_node / GiB:>9.2f}", file=out)
+    print("(activations, buffers and fragmentation come on top; give a model shape for the whole picture)", file=out)
+    return 0
+
+
+def _default_batch(seq_len: int, gpus: int) -> int:
+    wanted = max(1, (1 << 20) // seq_len)
+    return -(-wanted // gpus) * gpus
+
+
+def run(args: argparse.Namespace, out=None) -> int:
+    """Print the plan; 0 when something fits, 1 when nothing does, 2 for bad arguments."""
+    out = out or sys.stdout
+    try:
+        if args.params is not None:
+            if args.model or args.layers:
+                raise ValueError("--params replaces the model: give --params or a model, not both")
+            return _state_table(args, out)
+        model = _model(args)
+        cluster = make_cluster(args.gpu, args.gpus, args.nodes_of)
+        seq = args.seq_len or model.seq_len
+        if args.config:
+            layout, cfg = _config_layout(args.config, args.gpus)
+            workload = Workload(seq, args.global_batch or cfg["global_batch"], args.precision or cfg["precision"],
+                                cfg["optimizer"] or args.optimizer)
+            est = estimate(model, layout, cluster, workload)
+            print(json.dumps(est.to_dict(), indent=2) if args.json else est.format(), file=out)
+            return 0 if est.valid and est.fits else 1
+        workload = Workload(seq, args.global_batch or _default_batch(seq, args.gpus), args.precision or "bf16",
+                            args.optimizer)
+        result = search(model, cluster, workload)
+    except (ValueError, OSError) as err:
+        print(f"trident plan: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(args.top), indent=2), file=out)
+    else:
+        print(f"{model.describe()}\n{args.gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node); global batch "
+              f"{workload.global_batch} x {seq} tokens; {workload.precision} + {workload.optimizer}\n", file=out)
+        print(result.format(args.top), file=out)
+    return 0 if result.ranked else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run standalone: `python -m trident.cli.plan --model gpt2-124m --gpus 8`."""
+    parser = argparse.ArgumentParser(prog="trident")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

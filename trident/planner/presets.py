@@ -1,0 +1,274 @@
+"""Shapes of known models and the constants of known GPUs: what the planner's formulas read.
+
+A `ModelSpec` is a decoder-only transformer described by the numbers that set its memory, its
+FLOPs and its traffic; a `GPUSpec` is one accelerator and the links around it; a `Cluster` is
+N of them in nodes of K. Every number below comes from the cited paper, model card or data
+sheet; none is fitted to a benchmark (bench/planner_vs_published.py compares the planner's
+predictions with published runs using exactly these constants).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from trident.models.gpt import GPT_PRESETS
+
+GiB = 1024**3
+BUNDLED_VOCAB = 4096  # trident/data/corpus/tokenizer.json: the vocabulary of trident's own presets
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer: enough to count its parameters, FLOPs and activations.
+
+    `n_kv_head` < `n_head` is grouped-query attention; `gated_mlp` is SwiGLU-style (three
+    d_model x d_ff matrices instead of two); `position="learned"` adds a seq_len x d_model table.
+    """
+
+    name: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab_size: int
+    seq_len: int
+    d_ff: int | None = None
+    n_kv_head: int | None = None
+    gated_mlp: bool = False
+    bias: bool = True
+    tie_embeddings: bool = True
+    position: Literal["learned", "rotary", "alibi"] = "learned"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    embed_norm: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model {self.name!r}: {key} must be >= 1, got {getattr(self, key)}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"model {self.name!r}: d_model={self.d_model} is not divisible by "
+                             f"n_head={self.n_head}; choose d_model as a multiple of n_head")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"model {self.name!r}: n_head={self.n_head} is not divisible by "
+                             f"n_kv_head={self.kv_heads}; query heads must share key/value heads evenly")
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection."""
+        return self.kv_heads * (self.d_model // self.n_head)
+
+    def _norm_params(self) -> int:
+        return self.d_model * (2 if self.norm == "layernorm" and self.bias else 1)
+
+    def layer_parameters(self) -> int:
+        """One transformer block: two norms, attention (qkv + output) and the MLP."""
+        h, ff, b = self.d_model, self.ff_dim, int(self.bias)
+        attn = h * (h + 2 * self.kv_dim) + b * (h + 2 * self.kv_dim) + h * h + b * h
+        mlp = (3 * h * ff if self.gated_mlp else 2 * h * ff) + b * (ff + h)
+        return 2 * self._norm_params() + attn + mlp
+
+    def embedding_parameters(self) -> int:
+        """Token table, learned positions, embedding norm, final norm and an untied output layer."""
+        n = self.vocab_size * self.d_model + self._norm_params()
+        if self.position == "learned":
+            n += self.seq_len * self.d_model
+        if self.embed_norm:
+            n += self._norm_params()
+        if not self.tie_embeddings:
+            n += self.vocab_size * self.d_model
+        return n
+
+    def num_parameters(self) -> int:
+        """All distinct parameters (a tied output layer counts once)."""
+        return self.n_layer * self.layer_parameters() + self.embedding_parameters()
+
+    def forward_flops_per_token(self, seq_len: int) -> tuple[float, float, float]:
+        """Forward matmul FLOPs per token: (layer matmuls, attention scores, logits), all layers.
+
+        Attention counts QK^T and AV over the whole sequence (not halved for the causal mask), as
+        Narayanan et al. 2021 and Chowdhery et al. 2022 (PaLM, appendix B) do, so MFU figures compare.
+        """
+        h, ff = self.d_model, self.ff_dim
+        dense = 2 * (h * (h + 2 * self.kv_dim) + h * h + (3 if self.gated_mlp else 2) * h * ff)
+        scores = 2 * 2 * seq_len * h
+        return self.n_layer * dense, self.n_layer * scores, 2 * h * self.vocab_size
+
+    def model_flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token without recomputation: forward + backward (2x forward)."""
+        return 3 * sum(self.forward_flops_per_token(seq_len))
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.num_parameters() / 1e9:.3g}B parameters, {self.n_layer} layers, d_model "
+                f"{self.d_model}, {self.n_head} heads, vocab {self.vocab_size}, seq_len {self.seq_len}")
+
+
+def _gpt(name: str, n_layer: int, d_model: int, n_head: int, vocab: int = 50257, seq: int = 2048, **kw) -> ModelSpec:
+    return ModelSpec(name, n_layer, d_model, n_head, vocab, seq, **kw)
+
+
+def _llama(name: str, n_layer: int, d_model: int, n_head: int, d_ff: int, seq: int = 2048, **kw) -> ModelSpec:
+    return ModelSpec(name, n_layer, d_model, n_head, 32000, seq, d_ff=d_ff, gated_mlp=True, bias=False,
+                     tie_embeddings=False, position="rotary", norm="rmsnorm", **kw)
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
+    # GPT-2 (Radford et al. 2019; the Hugging Face gpt2* configs): vocab 50257, context 1024.
+    _gpt("gpt2-124m", 12, 768, 12, seq=1024),
+    _gpt("gpt2-355m", 24, 1024, 16, seq=1024),
+    _gpt("gpt2-774m", 36, 1280, 20, seq=1024),
+    _gpt("gpt2-1.5b", 48, 1600, 25, seq=1024),
+    # GPT-3 (Brown et al. 2020, Table 2.1): context 2048. Two rows of that table are not
+    # self-consistent: 1.3B lists 24 heads of 128 for d_model 2048 (16 x 128 is used here), 13B
+    # lists d_model 5140 for 40 heads of 128 (5120 is used).
+    _gpt("gpt3-1.3b", 24, 2048, 16),
+    _gpt("gpt3-2.7b", 32, 2560, 32),
+    _gpt("gpt3-6.7b", 32, 4096, 32),
+    _gpt("gpt3-13b", 40, 5120, 40),
+    _gpt("gpt3-175b", 96, 12288, 96),
+    # Megatron-Turing NLG 530B (Smith et al. 2022, section 2.4); Megatron's padded GPT-2 vocabulary.
+    _gpt("mt-nlg-530b", 105, 20480, 128, vocab=51200),
+    # BLOOM (BigScience 2022, arXiv:2211.05100; bigscience train/tr11-176B-ml): ALiBi positions,
+    # embedding LayerNorm, vocabulary 250680 padded to 250880 for tensor parallelism.
+    _gpt("bloom-176b", 70, 14336, 112, vocab=250880, position="alibi", embed_norm=True),
+    # LLaMA (Touvron et al. 2023a, Table 2) and Llama 2 70B (Touvron et al. 2023b; its HF config).
+    _llama("llama-7b", 32, 4096, 32, 11008),
+    _llama("llama-13b", 40, 5120, 40, 13824),
+    _llama("llama-65b", 80, 8192, 64, 22016),
+    _llama("llama-70b", 80, 8192, 64, 28672, seq=4096, n_kv_head=8),
+]}
+# trident's own reference sizes (trident.models.gpt.GPT_PRESETS) with the bundled tokenizer.
+MODEL_PRESETS.update({f"trident-{name}": ModelSpec(f"trident-{name}", vocab_size=BUNDLED_VOCAB, **shape)
+                      for name, shape in GPT_PRESETS.items()})
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator and its links. Bandwidths are per GPU, per direction, in bytes/s.
+
+    `gemm_efficiency` is the share of `peak_flops` that large transformer matrix multiplies
+    sustain; `memory_efficiency` the share of `hbm_bandwidth` that streaming element-wise
+    kernels sustain. Both are device constants: the same for every model and layout.
+    """
+
+    name: str
+    peak_flops: float            # dense 16-bit tensor-core FLOP/s
+    memory_bytes: int
+    hbm_bandwidth: float
+    intra_node_bandwidth: float  # NVLink
+    inter_node_bandwidth: float  # the GPU's share of the node's network adapters
+    pcie_bandwidth: float        # host <-> device, for offload
+    gpus_per_node: int = 8
+    intra_node_latency: float = 3e-6
+    inter_node_latency: float = 10e-6
+    gemm_efficiency: float = 0.75
+    memory_efficiency: float = 0.8
+
+
+# Peak FLOP/s, memory, HBM and NVLink bandwidths are NVIDIA's data sheets (V100, A100, H100,
+# H200 SXM; dense, without sparsity). NVLink: V100 300 GB/s, A100 600 GB/s, H100/H200 900 GB/s
+# total, i.e. half of that each way. Networks are those of the DGX reference nodes: DGX-1 has
+# 4 x 100 Gb/s EDR for 8 V100, DGX A100 8 x 200 Gb/s HDR, DGX H100 8 x 400 Gb/s NDR for 8 GPUs.
+# PCIe: gen3/4/5 x16 at about 80% of the 16/32/64 GB/s link rate. Latencies: a few us per hop
+# inside a node and about 10 us across InfiniBand, the usual alpha of NCCL's small messages.
+# Sustained GEMM shares: cuBLAS reaches about 75% of peak on large 16-bit GEMMs on V100 and A100
+# and about 70% on H100 (whose peak is harder to feed).
+GPU_PRESETS: dict[str, GPUSpec] = {g.name: g for g in [
+    GPUSpec("v100-32gb", 125e12, 32 * GiB, 900e9, 150e9, 6.25e9, 12e9),
+    GPUSpec("a100-40gb", 312e12, 40 * GiB, 1555e9, 300e9, 25e9, 25e9),
+    GPUSpec("a100-80gb", 312e12, 80 * GiB, 2039e9, 300e9, 25e9, 25e9),
+    GPUSpec("h100-80gb", 989e12, 80 * GiB, 3350e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70),
+    # nvidia-smi reports 143771 MiB (140 GiB) for the "141 GB" H200.
+    GPUSpec("h200-141gb", 989e12, 140 * GiB, 4800e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70),
+]}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`num_gpus` GPUs of one kind in nodes of `gpus_per_node`; host memory and NVMe per node."""
+
+    gpu: GPUSpec
+    num_gpus: int
+    gpus_per_node: int
+    host_memory_bytes: int = 1024 * GiB
+    nvme_bytes: int = 15 * 1024 * GiB
+
+    def __post_init__(self) -> None:
+        if self.num_gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"a cluster needs num_gpus >= 1 and gpus_per_node >= 1, got {self.num_gpus} "
+                             f"and {self.gpus_per_node}")
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.num_gpus // self.gpus_per_node)
+
+
+def make_cluster(gpu: str | GPUSpec, num_gpus: int, gpus_per_node: int | None = None, **overrides: Any) -> Cluster:
+    """A cluster of a preset GPU (or a GPUSpec); `overrides` replace GPUSpec fields (e.g. a network)."""
+    spec = gpu_preset(gpu) if isinstance(gpu, str) else gpu
+    if overrides:
+        spec = replace(spec, **overrides)
+    return Cluster(spec, num_gpus, gpus_per_node or min(spec.gpus_per_node, num_gpus))
+
+
+def gpu_preset(name: str) -> GPUSpec:
+    try:
+        return GPU_PRESETS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown GPU {name!r}; choose one of {', '.join(GPU_PRESETS)}") from None
+
+
+def model_preset(name: str) -> ModelSpec:
+    try:
+        return MODEL_PRESETS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; choose a preset ({', '.join(MODEL_PRESETS)}), a Hugging "
+                         f"Face-style config.json, or give --layers --hidden --heads --vocab") from None
+
+
+def model_from_gpt_config(cfg: Any, name: str = "trident-gpt") -> ModelSpec:
+    """The ModelSpec of trident's reference GPT built from a `trident.models.gpt.GPTConfig`."""
+    return ModelSpec(name, cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size, cfg.seq_len, d_ff=cfg.d_ff,
+                     bias=cfg.bias, tie_embeddings=cfg.tie_embeddings)
+
+
+_HF_KEYS: dict[str, tuple[str, ...]] = {
+    "n_layer": ("n_layer", "num_hidden_layers", "num_layers"),
+    "d_model": ("n_embd", "hidden_size", "d_model"),
+    "n_head": ("n_head", "num_attention_heads"),
+    "vocab_size": ("vocab_size",),
+}
+
+
+def model_from_hf_config(source: str | Path | dict, seq_len: int | None = None) -> ModelSpec:
+    """A ModelSpec from a Hugging Face-style config (a path to config.json, or its dict)."""
+    data = source if isinstance(source, dict) else json.loads(Path(source).read_text())
+    fallback = "model" if isinstance(source, dict) else Path(source).stem
+    name = str(data.get("_name_or_path") or data.get("model_type") or fallback)
+    found: dict[str, int] = {}
+    for key, names in _HF_KEYS.items():
+        value = next((data[n] for n in names if data.get(n) is not None), None)
+        if value is None:
+            raise ValueError(f"model config {name!r} has none of the keys {', '.join(names)}; a Hugging "
+                             f"Face-style config needs them to give the model's {key}")
+        found[key] = int(value)
+    seq = seq_len or data.get("max_position_embeddings") or data.get("n_positions") or data.get("seq_length") or 2048
+    gated = data.get("hidden_act", data.get("activation_function", "gelu")) in ("silu", "swiglu", "swish")
+    return ModelSpec(name, seq_len=int(seq), d_ff=data.get("intermediate_size") or data.get("n_inner"),
+                     n_kv_head=data.get("num_key_value_heads"), gated_mlp=gated,
+                     bias=not gated, tie_embeddings=bool(data.get("tie_word_embeddings", not gated)),
+                     position="rotary" if "rope_theta" in data or gated else "learned",
+                     norm="rmsnorm" if "rms_norm_eps" in data else "layernorm", **found)
+
+
+__all__ = ["BUNDLED_VOCAB", "Cluster", "GPUSpec", "GPU_PRESETS", "GiB", "MODEL_PRESETS", "ModelSpec",
+           "gpu_preset", "make_cluster", "model_from_gpt_config", "model_from_hf_config", "model_preset"]

@@ -1,0 +1,143 @@
+"""The layout search: every valid layout for a world size, ranked by predicted throughput.
+
+Layouts are generated only from choices that are valid by construction (tp, pp and dp
+multiply to the world size; stages 2-3 only without a pipeline; offload only where ZeRO
+allows it), and each is also checked with `layout_problems`, the same rules `estimate`
+applies. (dp, tp, pp) splits that break a model rule (tp must divide the heads, pp the
+layers) are reported with their reason, as are layouts that do not fit in memory. The ranking
+is a total order: tokens/s descending, then device memory ascending, then the layout's text,
+so equal predictions always come out in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from trident.planner.estimate import Estimate, estimate
+from trident.planner.layout import Layout, Workload, grad_accumulation, layout_problems
+from trident.planner.presets import Cluster, GiB, ModelSpec
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The choices the search combines for each (dp, tp, pp) split."""
+
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    offloads: tuple[tuple[str, str], ...] = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
+    checkpointing: tuple[str, ...] = ("none", "selective", "full")
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    schedule: str = "1f1b"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One searched layout, its prediction, and why it ranks where it does or was rejected."""
+
+    layout: Layout
+    estimate: Estimate
+    reason: str
+
+    def to_dict(self) -> dict:
+        t = self.estimate.time
+        return {"layout": self.layout.describe(), "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu, "mfu": t.mfu,
+                "step_s": t.step, "device_bytes": self.estimate.memory.device_total, "reason": self.reason}
+
+    def sort_key(self) -> tuple:
+        return (-self.estimate.time.tokens_per_s, self.estimate.memory.device_total, self.layout.describe())
+
+
+@dataclass
+class SearchResult:
+    """Ranked layouts that fit, layouts that do not fit, and splits that are invalid."""
+
+    ranked: list[Candidate] = field(default_factory=list)
+    too_big: list[Candidate] = field(default_factory=list)
+    invalid: list[tuple[Layout, list[str]]] = field(default_factory=list)
+
+    def format(self, top: int = 10, rejected: int = 10) -> str:
+        lines = [f"{len(self.ranked)} layouts fit, {len(self.too_big)} do not fit in memory, "
+                 f"{len(self.invalid)} (dp, tp, pp) splits are invalid for this model", "",
+                 f"{'#':>3}  {'layout':<52}{'tok/s/GPU':>10}{'MFU':>7}{'step s':>9}{'GiB':>8}  why"]
+        for i, c in enumerate(self.ranked[:top], 1):
+            t, m = c.estimate.time, c.estimate.memory
+            lines.append(f"{i:>3}  {c.layout.describe():<52}{t.tokens_per_s_per_gpu:>10.1f}{100 * t.mfu:>6.1f}%"
+                         f"{t.step:>9.3f}{m.device_total / GiB:>8.1f}  {c.reason}")
+        if self.too_big:
+            lines += ["", f"does not fit (the {min(rejected, len(self.too_big))} closest of {len(self.too_big)}):"]
+            closest = sorted(self.too_big, key=lambda c: (c.estimate.memory.device_total, c.layout.describe()))
+            lines += [f"     {c.layout.describe():<52}{c.reason}" for c in closest[:rejected]]
+        if self.invalid:
+            lines += ["", "invalid splits:"] + [f"     dp{lay.dp} tp{lay.tp} pp{lay.pp}: {'; '.join(why)}"
+                                                for lay, why in self.invalid]
+        return "\n".join(lines)
+
+    def to_dict(self, top: int | None = None) -> dict:
+        return {"ranked": [c.to_dict() for c in self.ranked[:top]], "too_big": [c.to_dict() for c in self.too_big],
+                "invalid": [{"layout": f"dp{lay.dp} tp{lay.tp} pp{lay.pp}", "reasons": why}
+                            for lay, why in self.invalid]}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _why_rank(est: Estimate) -> str:
+    """The biggest share of the step that is not useful compute: what holds this layout back."""
+    t = est.time
+    parts = {"tp comm": t.tp_comm, "pp comm": t.pp_comm, "dp comm": t.dp_comm_exposed, "bubble": t.bubble,
+             "optimizer": t.optimizer}
+    name, worst = max(parts.items(), key=lambda kv: (kv[1], kv[0]))
+    compute = 100 * t.compute / t.step
+    return f"compute {compute:.0f}% of the step; largest overhead {name} {100 * worst / t.step:.0f}%"
+
+
+def _why_too_big(est: Estimate) -> str:
+    m = est.memory
+    parts = {"model states": m.placement.device, "activations": m.activations,
+             "buffers": m.comm_buffers + m.fragmentation}
+    name = max(parts, key=parts.get)
+    return (f"needs {m.device_total / GiB:.1f} GiB of {m.capacity / GiB:.1f} GiB per GPU "
+            f"({name} {parts[name] / GiB:.1f} GiB)")
+
+
+def _layouts(dp: int, tp: int, pp: int, workload: Workload, space: SearchSpace):
+    for stage in space.zero_stages:
+        if stage >= 2 and pp > 1:
+            continue
+        for opt, par in space.offloads:
+            if (opt != "none" and stage == 0) or (par != "none" and stage != 3):
+                continue
+            for ckpt in space.checkpointing:
+                for sp in space.sequence_parallel:
+                    if sp and tp == 1:
+                        continue
+                    for mb in space.micro_batches:
+                        layout = Layout(dp, tp, pp, stage, mb, ckpt, sp, opt, par, space.schedule if pp > 1 else "1f1b")
+                        if grad_accumulation(layout, workload) is not None:
+                            yield layout
+
+
+def search(model: ModelSpec, cluster: Cluster, workload: Workload, space: SearchSpace | None = None) -> SearchResult:
+    """Estimate every valid layout of `model` on all of `cluster`'s GPUs and rank those that fit."""
+    space = space or SearchSpace()
+    result = SearchResult()
+    world = cluster.num_gpus
+    for tp in _divisors(world):
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            split = Layout(dp, tp, pp)
+            why = [p for p in layout_problems(model, split, replace(workload, global_batch=dp), world)]
+            if why:
+                result.invalid.append((split, why))
+                continue
+            for layout in _layouts(dp, tp, pp, workload, space):
+                if layout_problems(model, layout, workload, world):
+                    continue
+                est = estimate(model, layout, cluster, workload)
+                if est.fits:
+                    result.ranked.append(Candidate(layout, est, _why_rank(est)))
+                else:
+                    result.too_big.append(Candidate(layout, est, _why_too_big(est)))
+    result.ranked.sort(key=Candidate.sort_key)
+    return result
