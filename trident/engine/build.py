@@ -6,9 +6,10 @@ The order is fixed and is the one place where strategies meet:
   2. start torch.distributed from torchrun's environment and build the mesh
   3. resolve the batch triangle for the mesh's data-parallel size; on CPU, tune glibc's
      malloc so per-step allocations reuse memory instead of faulting it in again
-  4. give every dp replica rank 0's weights (broadcast over the dp group)
+  4. tensor parallelism: the config's plan replaces layers by their tp-split twins (each rank
+     keeping its slice of the full weight); then every dp replica gets rank 0's weights
   5. precision: cast the model to bf16/fp16, keep fp32 master weights
-  6. data parallelism: the gradient buffer and its bucketed all-reduce hooks
+  6. data parallelism: stage 0's gradient buffer and bucketed all-reduce, or ZeRO's partitions
   7. optimizer and LR scheduler over the master weights
   8. the data loader, sharded over the dp group
 """
@@ -88,13 +89,16 @@ def initialize(
             logger.info("host allocator: glibc keeps up to %d MiB of freed memory (host_allocator)",
                         ha.trim_threshold_mb)
 
+    comms_logger = CommsLogger(**cfg.comms_logger.model_dump())
+    if mesh.tp_size > 1 or cfg.tensor_parallel.plan is not None:
+        from trident.tensor_parallel import apply_tensor_parallel
+        model = apply_tensor_parallel(model, cfg.tensor_parallel, mesh, logger=comms_logger)
     _broadcast_module(model, mesh)
     dtype = compute_dtype(cfg)
     model.to(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no parameters with requires_grad=True: nothing to train")
-    comms_logger = CommsLogger(**cfg.comms_logger.model_dump())
     for key in cfg.zero_optimization.inapplicable_keys():
         logger.warning("zero_optimization.%s has no effect at ZeRO stage %d (it is kept for DeepSpeed "
                        "compatibility); remove it or change the stage", key, cfg.zero_optimization.stage)
