@@ -13,38 +13,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
-import socket
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _common import build_gpt, free_port, peak_rss_bytes, rotated, start_rank, timed_steps, token_batches
+
 MODEL = dict(vocab_size=4096, seq_len=128, n_layer=4, n_head=4, d_model=256)
 MICRO = 4
 WARMUP = 3
 BUCKET_MB = 25  # DDP's default bucket_cap_mb; trident gets the same bucket size in elements
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _batches(rank: int, steps: int):
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
-        yield torch.randint(0, MODEL["vocab_size"], (MICRO, MODEL["seq_len"] + 1), generator=g)
-
-
-def _build_model():
-    from trident.models.gpt import GPT, GPTConfig
-    torch.manual_seed(0)
-    return GPT(GPTConfig(**MODEL, dropout=0.0))
 
 
 def _trident_step_fn(model, world: int, bucket_elements: int):
@@ -75,27 +56,16 @@ def _ddp_step_fn(model, world: int, bucket_view: bool):
 
 
 def _worker(rank: int, world: int, port: int, system: str, steps: int, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    start_rank(rank, world, port)
     sys.stdout = open(os.devnull, "w")  # keep trident's start-up tables out of the report
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = _build_model()
+    model = build_gpt(MODEL)
     if system == "trident":
         step = _trident_step_fn(model, world, BUCKET_MB * 2**20 // 4)
     else:
         step = _ddp_step_fn(model, world, bucket_view=system == "ddp-bucket-view")
-    times = []
-    for i, batch in enumerate(_batches(rank, WARMUP + steps)):
-        if i == WARMUP:
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        dist.barrier()
-        start = time.perf_counter()
-        step(batch)
-        if i >= WARMUP:
-            times.append(time.perf_counter() - start)
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    out.put((rank, statistics.median(times), usage.ru_maxrss * 1024, (usage.ru_minflt - faults) / steps))
+    median, faults = timed_steps(step, token_batches(rank, MODEL, MICRO), WARMUP, steps)
+    out.put((rank, median, peak_rss_bytes(), faults))
     dist.destroy_process_group()
 
 
@@ -104,7 +74,7 @@ def run_once(system: str, world: int, steps: int) -> tuple[float, float, float]:
     RSS, and the most minor page faults per step of any rank."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, system, steps, out)) for r in range(world)]
     for p in procs:
         p.start()
@@ -123,13 +93,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
     systems = ["ddp", "ddp-bucket-view", "trident"]
-    n_params = sum(p.numel() for p in _build_model().parameters())
+    n_params = sum(p.numel() for p in build_gpt(MODEL).parameters())
     print(f"GPT {MODEL} ({n_params / 1e6:.1f}M params), micro batch {MICRO} per rank, AdamW, gloo, "
           f"1 thread/rank, {args.steps} timed steps after {WARMUP} warm-up, {args.repeats} interleaved repeats")
     for world in args.worlds:
         samples: dict[str, list[tuple[float, float, float]]] = {s: [] for s in systems}
         for r in range(args.repeats):
-            for system in systems[r % len(systems):] + systems[:r % len(systems)]:  # rotate: no order bias
+            for system in rotated(systems, r):
                 samples[system].append(run_once(system, world, args.steps))
         print(f"\nworld size {world}")
         print(f"{'system':<18}{'step ms (median)':>18}{'peak RSS/rank MiB':>20}{'faults/step':>13}"

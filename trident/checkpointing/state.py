@@ -230,6 +230,24 @@ def _verified(folder: Path, manifest: dict, name: str) -> Path:
     return path
 
 
+def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
+    """Delete all but the newest `keep_last` complete checkpoints (by global step) under
+    save_dir, never the one `latest` names; returns the deleted tags."""
+    root = Path(save_dir)
+    done = []
+    for folder in root.iterdir():
+        manifest = folder / MANIFEST
+        if folder.is_dir() and not folder.name.startswith(".") and manifest.exists():
+            done.append((json.loads(manifest.read_text()).get("global_steps", 0), folder))
+    latest = resolve_tag(save_dir, None)
+    deleted = []
+    for _, folder in sorted(done)[:-keep_last] if keep_last else []:
+        if folder.name != latest:
+            shutil.rmtree(folder, ignore_errors=True)
+            deleted.append(folder.name)
+    return deleted
+
+
 def resolve_tag(load_dir: str, tag: str | None) -> str | None:
     """The tag to load: the given one, or the one named in `latest` (None if there is none)."""
     if tag is not None:

@@ -118,6 +118,35 @@ class DistributedConfig(Section):
 
     timeout_s: float = Field(1800.0, gt=0, description=(
         "Seconds a collective may wait for the other ranks before the job stops with an error."))
+    hang_detector: bool = Field(True, description=(
+        "Record every collective and point-to-point call (op, group, sequence number, shapes, call "
+        "site) in a per-rank ring buffer, and on a timeout report which ranks reached the stuck op."))
+    flight_recorder_size: int = Field(256, gt=0, description="Calls kept per rank by the hang detector.")
+    strict_collectives: bool = Field(False, description=(
+        "Check cheaply that all ranks of a group issue the same collectives in the same order, and "
+        "name the first divergence."))
+
+
+class CheckpointConfig(Section):
+    """`checkpoint`: periodic saving and automatic resume (a trident section; DeepSpeed's own
+    `checkpoint` keys are not supported)."""
+
+    path: str | None = Field(None, description=(
+        "Folder of the periodic checkpoints (engine.save_checkpoint's save_dir); null = no periodic saving."))
+    save_interval: int = Field(0, ge=0, description="Save every N optimizer steps; 0 = never.")
+    keep_last: int = Field(0, ge=0, description="Keep only the newest N periodic checkpoints; 0 = keep all.")
+    auto_resume: bool = Field(False, description=(
+        "At initialize, load the newest complete checkpoint under `path` if there is one (used by "
+        "elastic restarts: a restarted job continues where the last checkpoint left it)."))
+
+
+class NumericsConfig(Section):
+    """`numerics`: what to do when the loss or a gradient is not finite (a trident section)."""
+
+    on_nonfinite: Literal["stop", "skip"] = Field("stop", description=(
+        "fp32/bf16: a NaN or inf loss or gradient is reported with the first parameter it appears "
+        "in, then the job stops (stop) or the step is skipped (skip). fp16 overflow is handled by "
+        "the loss scaler and always skips."))
 
 
 class HostAllocatorConfig(Section):
@@ -310,6 +339,9 @@ class TridentConfig(Section):
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard scalars.")
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig, description="CSV scalars.")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Process groups.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description=(
+        "Periodic checkpoints and auto-resume."))
+    numerics: NumericsConfig = Field(default_factory=NumericsConfig, description="Non-finite loss or gradients.")
     host_allocator: HostAllocatorConfig = Field(default_factory=HostAllocatorConfig, description=(
         "glibc malloc thresholds on CPU runs."))
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stages 0-3.")
@@ -370,7 +402,7 @@ ZERO_UNIMPLEMENTED_KEYS = frozenset({
 })
 
 _DEEPSPEED_ONLY_TOP_LEVEL = frozenset({
-    "activation_checkpointing", "aio", "amp", "autotuning", "checkpoint", "comet", "communication_data_type",
+    "activation_checkpointing", "aio", "amp", "autotuning", "comet", "communication_data_type",
     "compile", "compression_training", "curriculum_learning", "data_efficiency", "data_types",
     "dataloader_drop_last", "disable_allgather", "dump_state", "eigenvalue", "elasticity", "flops_profiler",
     "gradient_allreduce_op", "graph_harvesting", "hybrid_engine", "log_level", "managed_gradient_accumulation",
@@ -382,6 +414,8 @@ _DEEPSPEED_ONLY_TOP_LEVEL = frozenset({
 _DEEPSPEED_SETTING = "`{path}` is a DeepSpeed setting that this version of trident does not implement; remove it"
 
 UNIMPLEMENTED_KEYS: dict[str, tuple[frozenset[str], str]] = {
+    "checkpoint": (frozenset({"tag_validation", "load_universal", "use_node_local_storage", "parallel_write",
+                              "writer"}), _DEEPSPEED_SETTING),
     "zero_optimization": (ZERO_UNIMPLEMENTED_KEYS, "`{path}` is a ZeRO setting that this version of "
                                                    "trident does not implement; remove it"),
     "": (_DEEPSPEED_ONLY_TOP_LEVEL, _DEEPSPEED_SETTING),

@@ -43,6 +43,10 @@ class ReplicatedOptimizer:
         tp = (self.mesh.tp_group,) if self.mesh.tp_size > 1 else ()
         return [(self._replicated, ()), (self._sharded, tp)]
 
+    def nonfinite_names(self) -> list[str]:
+        """Parameters whose gradient holds a NaN or inf on this rank."""
+        return [n for n, g in zip(self.names, self.reducer.grads) if not torch.isfinite(g.sum())]
+
     @torch.no_grad()
     def optimizer_step(self, grad_coef: float) -> None:
         if grad_coef != 1.0:

@@ -110,8 +110,27 @@ def initialize(
     engine = Engine(model, cfg, mesh, batch, master, reducer, optimizer, scheduler, loss_scaler,
                     comms_logger, monitors)
     loader = _make_loader(training_data, collate_fn, mesh, batch, cfg) if training_data is not None else None
+    engine.training_dataloader = loader
     _log_startup(engine, device)
+    if cfg.checkpoint.auto_resume and cfg.checkpoint.path:
+        _resume(engine, loader, cfg.checkpoint.path)
     return engine, optimizer, loader, scheduler
+
+
+def _resume(engine: Engine, loader, path: str) -> None:
+    """checkpoint.auto_resume: load the newest complete checkpoint under `path`, if any, and
+    put the loader's sampler back where it was."""
+    from trident.checkpointing.state import resolve_tag
+
+    if resolve_tag(path, None) is None:
+        logger.info("auto_resume: no checkpoint under %s yet; starting from step 0", path)
+        return
+    _, client_state = engine.load_checkpoint(path)
+    engine.resumed_client_state = client_state
+    sampler_state = (client_state or {}).get("sampler")
+    if loader is not None and sampler_state is not None:
+        loader.sampler.load_state_dict(sampler_state)
+    logger.info("auto_resume: continuing from step %d of %s", engine.global_steps, path)
 
 
 def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_logger, dtype):

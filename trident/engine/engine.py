@@ -63,6 +63,8 @@ class Engine(torch.nn.Module):
         self._window_loss: torch.Tensor | float = 0.0
         self.last_loss: float | None = None
         self.last_step_overflowed = False
+        self.training_dataloader = None      # set by initialize when it builds the loader
+        self.resumed_client_state = None     # client_state of the checkpoint auto_resume loaded
         self._backward_pending = False
 
     # -- coordinates (DeepSpeed names) -----------------------------------------------------
@@ -170,6 +172,15 @@ class Engine(torch.nn.Module):
         self.global_steps += 1
         self.global_samples += self.batch.train_batch_size
         self._report()
+        ckpt = self.config.checkpoint
+        if ckpt.path and ckpt.save_interval and self.global_steps % ckpt.save_interval == 0:
+            from trident.checkpointing.state import prune_checkpoints
+            loader = self.training_dataloader
+            sampler = getattr(loader, "sampler", None)
+            client = {"sampler": sampler.state_dict()} if hasattr(sampler, "state_dict") else {}
+            self.save_checkpoint(ckpt.path, client_state=client)
+            if ckpt.keep_last and self.global_rank == 0:
+                prune_checkpoints(ckpt.path, ckpt.keep_last)
 
     def _take_model_step(self) -> None:
         # The strategy (stage 0's reducer and masters, or ZeRO's partitions) says which gradient
@@ -178,16 +189,18 @@ class Engine(torch.nn.Module):
         extra = self._grad_split_groups()
         parts = [(tensors, tuple(groups) + tuple(extra)) for tensors, groups in self.reducer.grad_parts()]
         scale = self.loss_scale
-        overflow = False
+        overflow = grad_ops.has_overflow_parts(parts)
         if self.loss_scaler is not None:
-            overflow = grad_ops.has_overflow_parts(parts)
             self.loss_scaler.update_scale(overflow)
+        elif overflow:
+            self._nonfinite_gradients()
         self.last_step_overflowed = overflow
         if overflow:
             self.skipped_steps += 1
             self._global_grad_norm = None
-            logger.warning("step %d: fp16 gradient overflow, step skipped; loss scale now %g",
-                           self.global_steps + 1, self.loss_scale)
+            if self.loss_scaler is not None:
+                logger.warning("step %d: fp16 gradient overflow, step skipped; loss scale now %g",
+                               self.global_steps + 1, self.loss_scale)
         else:
             norm = grad_ops.global_norm_parts(parts) / scale
             self._global_grad_norm = norm
@@ -199,6 +212,23 @@ class Engine(torch.nn.Module):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.reducer.zero_grad()
+
+    def _nonfinite_gradients(self) -> None:
+        """fp32/bf16: name the first parameter (in model order) whose gradient is not finite on
+        any rank, then stop or skip the step as `numerics.on_nonfinite` says."""
+        local = self.reducer.nonfinite_names()
+        everywhere: list = [None] * self.mesh.world_size
+        dist.all_gather_object(everywhere, local, group=self.mesh.mesh_group)
+        bad = {n for names in everywhere for n in names}
+        order = [n for n, _ in self.module.named_parameters()]
+        first = next((n for n in order if n in bad), None)
+        what = (f"the gradient of {first} ({len(bad)} parameter(s) in all) holds NaN or inf"
+                if first else "a gradient holds NaN or inf")
+        message = f"step {self.global_steps + 1}: {what}"
+        if self.config.numerics.on_nonfinite == "stop":
+            raise FloatingPointError(message + "; stopping (numerics.on_nonfinite = \"stop\"; set it to "
+                                               "\"skip\" to skip such steps instead)")
+        logger.warning("%s; step skipped (numerics.on_nonfinite = \"skip\")", message)
 
     def _grad_split_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """Groups over which gradients are split; none in plain data parallelism."""

@@ -5,20 +5,30 @@ gradients on every stage, then takes one optimizer step. Each stage runs its own
 list (`trident.pipeline.schedules`) through a `StageExecutor`; the loss on the last stage is
 scaled by loss_scale / M before backward, as `Engine.backward` does for accumulation.
 
-After the schedule every rank of the mesh takes part in one agreement (an all-reduce of
-[failed?, loss share]): all ranks learn the batch's mean loss, and if any stage failed, all of
-them raise the same `PipelineError` (the earliest failure's message) instead of stepping.
+During the schedule gradients only accumulate locally, so nothing but point-to-point traffic
+runs. Then every rank of the mesh takes part in one agreement (an all-reduce of [failed?, loss
+share]): all ranks learn the batch's mean loss, and if any stage failed, all of them raise the
+same `PipelineError` (the earliest failure's message) instead of stepping. Only then come the
+step instructions, each a collective:
 
-Weights tied across stages (`TiedLayerSpec`): every holder computes a gradient for its copy;
-`ReduceTiedGrads` sums them onto the first holding stage (the owner) and zeroes the others'
-copies, so the owner steps with the full gradient and the copies add nothing to the gradient
-norm (a tied weight counts once in clipping, exactly as in the serial model). After the step
-the owner broadcasts the updated weights to the other holders. (Their optimizer sees a zero
-gradient; whatever it does to the copy is overwritten by that broadcast.)
+    ReduceTiedGrads  weights tied across stages (`TiedLayerSpec`) are parameters on the first
+                     stage holding them (the owner) and buffer copies elsewhere. Each copy's
+                     gradient was accumulated in fp32; they are summed onto the owner.
+    ReduceGrads      one boundary pass of the gradient strategy (`start_backward(boundary=True)`,
+                     `finish_backward()`): the owner first adds the copies' gradient to its
+                     parameters through autograd, so the data-parallel reduction (all-reduce,
+                     or ZeRO-1's reduce-scatter) covers it like any other gradient.
+    OptimizerStep    `Engine._boundary_step`; then the owner broadcasts the new weights to
+                     the copies.
+
+A tied weight thus has one optimizer state and counts once in the gradient norm, as in the
+serial model. The price of accumulating locally is that the data-parallel reduction is not
+overlapped with the last backward.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -30,7 +40,7 @@ from trident.engine.engine import Engine
 from trident.monitor.log import logger
 from trident.parallel.mesh import ParallelMesh
 from trident.pipeline.executor import PipelineError, StageExecutor, StageResult
-from trident.pipeline.instructions import OptimizerStep, ReduceTiedGrads
+from trident.pipeline.instructions import STEP, OptimizerStep, ReduceGrads, ReduceTiedGrads
 from trident.pipeline.module import PipelineModule
 from trident.pipeline.schedules import build_all, build_schedule, forward_only
 from trident.pipeline.simulate import simulate
@@ -38,11 +48,11 @@ from trident.pipeline.simulate import simulate
 
 @dataclass
 class TiedWeights:
-    """The parameters shared under one key, on this rank, and the group of their holders."""
+    """The weights shared under one key on this rank, and the group of the stages holding them."""
 
     key: str
-    params: list[torch.nn.Parameter]
-    grads: list[torch.Tensor]  # the reducer's fp32 gradient views of `params`
+    tensors: list[torch.Tensor]  # parameters on the owner, buffer copies elsewhere
+    sums: list[torch.Tensor]  # fp32: a copy's accumulated gradient; on the owner, the copies' total
     group: dist.ProcessGroup
     owner: bool
 
@@ -67,7 +77,8 @@ class PipelineEngine(Engine):
         act_group = self.mesh.pp_group if stages > 1 else None
         self.executor = StageExecutor(module, act_group, grad_group, self.compute_dtype, self.reducer)
         self._batch_loss = 0.0
-        self._step_handlers = {ReduceTiedGrads: self._reduce_tied_grads, OptimizerStep: self._optimizer_step}
+        self._step_handlers = {ReduceTiedGrads: self._reduce_tied_grads, ReduceGrads: self._reduce_grads,
+                               OptimizerStep: self._optimizer_step}
 
     # -- coordinates -----------------------------------------------------------------------
 
@@ -93,7 +104,7 @@ class PipelineEngine(Engine):
         Returns the mean loss over the micro-batches (and the data-parallel replicas), on every rank.
         """
         self.module.train()
-        split = next(i for i, instr in enumerate(self.train_program) if isinstance(instr, ReduceTiedGrads))
+        split = next(i for i, instr in enumerate(self.train_program) if isinstance(instr, STEP))
         result = self.executor.run(self.train_program[:split], data_iter,
                                    loss_scale=self.loss_scale / self.micro_batches, train=True)
         self._batch_loss = self._agree(result, "train_batch")
@@ -150,17 +161,25 @@ class PipelineEngine(Engine):
 
     def _reduce_tied_grads(self) -> None:
         for tie in self.ties:
-            for grad in tie.grads:
-                collectives.reduce(grad, dst=0, group=tie.group)
-                if not tie.owner:
-                    grad.zero_()  # the owner holds the sum; a copy must not count twice in the norm
+            for total in tie.sums:
+                if tie.owner:
+                    total.zero_()
+                collectives.reduce(total, dst=0, group=tie.group)
 
+    def _reduce_grads(self) -> None:
+        self.reducer.start_backward(boundary=True)
+        owned = [(t, s.to(t.dtype)) for tie in self.ties if tie.owner for t, s in zip(tie.tensors, tie.sums)]
+        if owned:
+            torch.autograd.backward([t for t, _ in owned], [s for _, s in owned])
+        self.reducer.finish_backward()
+
+    @torch.no_grad()
     def _optimizer_step(self) -> None:
         self._boundary_step(self._batch_loss)
-        with torch.no_grad():
-            for tie in self.ties:
-                for p in tie.params:
-                    collectives.broadcast(p.data, src=0, group=tie.group)
+        for tie in self.ties:
+            for t, total in zip(tie.tensors, tie.sums):
+                collectives.broadcast(t.data, src=0, group=tie.group)
+                total.zero_()
 
     def _grad_split_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """The stages hold different parameters: norms and overflow checks span the pp group."""
@@ -179,7 +198,7 @@ def build_pipeline_engine(module: PipelineModule, cfg, mesh: ParallelMesh, batch
     if mesh.pp_size > 1:
         # A second group over the same ranks: gradients travel FIFO apart from activations.
         grad_group = dist.new_group(mesh.group_ranks("pp"), use_local_synchronization=True)
-    ties = _tie_groups(module, mesh, reducer)
+    ties = _tie_groups(module, mesh)
     engine = PipelineEngine(module, cfg, mesh, batch, master, reducer, optimizer, lr_scheduler, loss_scaler,
                             comms_logger, monitors, schedule=cfg.pipeline.schedule,
                             micro_batches=micro_batches, grad_group=grad_group, ties=ties)
@@ -215,26 +234,35 @@ def _check_layout(module: PipelineModule, cfg, mesh: ParallelMesh, batch) -> int
     return gas
 
 
-def _tie_groups(module: PipelineModule, mesh: ParallelMesh, reducer) -> list[TiedWeights]:
+def _tie_groups(module: PipelineModule, mesh: ParallelMesh) -> list[TiedWeights]:
     """A group per tied key over the stages holding it (same dp and tp coordinates as this rank).
 
-    Only the holders create it (local synchronisation); then the owner's weights are broadcast
-    so every copy starts equal.
+    Only the holders create it (local synchronisation). The owner's weights are broadcast so
+    every copy starts equal; each copy then requires grad and accumulates its gradient in fp32.
     """
-    index = {id(p): i for i, p in enumerate(reducer.params)}
     ties = []
     for key, stages in module.tied_stages.items():
         if len(stages) < 2 or mesh.pp_rank not in stages:
             continue
         ranks = [mesh.ranks[mesh.topology.rank_of(pp=s, dp=mesh.dp_rank, tp=mesh.tp_rank)] for s in stages]
         group = dist.new_group(ranks, use_local_synchronization=True)
-        params = module.tied_parameters(key)
+        tensors = module.tied_tensors(key)
+        sums = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in tensors]
         with torch.no_grad():
-            for p in params:
-                collectives.broadcast(p.data, src=0, group=group)
-        ties.append(TiedWeights(key, params, [reducer.grads[index[id(p)]] for p in params], group,
-                                owner=mesh.pp_rank == stages[0]))
+            for t in tensors:
+                collectives.broadcast(t.data, src=0, group=group)
+        if not module.owns(key):
+            for t, total in zip(tensors, sums):
+                t.requires_grad_(True)
+                t.register_post_accumulate_grad_hook(functools.partial(_accumulate, total))
+        ties.append(TiedWeights(key, tensors, sums, group, owner=module.owns(key)))
     return ties
+
+
+def _accumulate(total: torch.Tensor, copy: torch.Tensor) -> None:
+    """Move a tied copy's fresh gradient into its fp32 sum."""
+    total.add_(copy.grad)
+    copy.grad = None
 
 
 def _log_pipeline(engine: PipelineEngine) -> None:

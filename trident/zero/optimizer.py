@@ -197,6 +197,21 @@ class ZeroOptimizer:
             parts.append((tensors, pg.norm_groups))
         return parts
 
+    def nonfinite_names(self) -> list[str]:
+        """Parameters with a NaN or inf in the part of their gradient this rank holds."""
+        bad = []
+        for pg in self.groups:
+            flat = pg.grads.flat() if self.stage > 1 else None
+            for unit in pg.layout.units:
+                lo, _ = unit.shard_range(self.rank)
+                shard = pg.grads.shard(unit.index) if self.stage == 1 else \
+                    flat[unit.partition_offset:unit.partition_offset + unit.shard]
+                for slot, a, b in unit.pieces(self.rank):
+                    piece = shard[slot.offset + a - lo:slot.offset + b - lo]
+                    if not torch.isfinite(piece.float().sum()):
+                        bad.append(pg.names[slot.index])
+        return bad
+
     @torch.no_grad()
     def optimizer_step(self, grad_coef: float) -> None:
         """Step the partitions sub-group by sub-group, with gradients multiplied by `grad_coef`

@@ -1,0 +1,75 @@
+"""Pieces every bench script shares: rank start-up, the data, the model, the timed step loop.
+
+Kept apart so that the benchmarks time exactly the same loop (a barrier before each step, so the
+slowest rank sets the pace; page faults counted over the timed steps only) and feed the same
+token batches to every system they compare.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import resource
+import socket
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago, for MASTER_PORT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_rank(rank: int, world: int, port: int) -> None:
+    """torchrun's environment for one rank on this host, one compute thread per rank."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+
+
+def token_batches(rank: int, model: dict, micro: int) -> Iterator[torch.Tensor]:
+    """Endless [micro, seq_len + 1] token batches, seeded by rank so every system sees the same."""
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        yield torch.randint(0, model["vocab_size"], (micro, model["seq_len"] + 1), generator=g)
+
+
+def build_gpt(model: dict) -> torch.nn.Module:
+    """The reference GPT with seed 0, so every system starts from the same weights."""
+    from trident.models.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**model, dropout=0.0))
+
+
+def timed_steps(step: Callable[[torch.Tensor], None], batches: Iterator[torch.Tensor],
+                warmup: int, steps: int) -> tuple[float, float]:
+    """Run warmup + steps training steps; median seconds and minor page faults per timed step."""
+    times = []
+    faults = 0
+    for i, batch in enumerate(itertools.islice(batches, warmup + steps)):
+        if i == warmup:
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        dist.barrier()
+        start = time.perf_counter()
+        step(batch)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return statistics.median(times), faults / steps
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rotated(systems: Sequence[str], repeat: int) -> list[str]:
+    """The systems in the order of one repeat: shifted by one each repeat, so no order bias."""
+    k = repeat % len(systems)
+    return list(systems[k:]) + list(systems[:k])
