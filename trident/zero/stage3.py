@@ -88,36 +88,57 @@ class Stage3Coordinator:
         return self.units[key][1].padded
 
     def live_numel(self) -> int:
-        return sum(t.numel() for t in self.full.values()) + sum(t.numel() for t, _ in self.pending.values())
+        return sum(t.numel() for t in self.full.values()) + sum(self.numel(k) for k in self.pending)
 
-    def _launch(self, key: _Key) -> None:
-        if key in self.full or key in self.pending:
+    def _launch(self, keys: list[_Key]) -> None:
+        """Start gathering units: one all-gather for all of them (their shards side by side,
+        so rank r's row of the result holds its shards; each unit is then copied out whole),
+        or straight into the unit's buffer when there is only one."""
+        keys = [k for k in dict.fromkeys(keys) if k not in self.full and k not in self.pending]
+        if not keys:
             return
-        pg, unit = self.units[key]
-        shard = pg.partition[unit.partition_offset:unit.partition_offset + unit.shard]
-        full = torch.empty(unit.padded, dtype=shard.dtype, device=shard.device)
+        shards = []
+        for key in keys:
+            pg, unit = self.units[key]
+            shards.append(pg.partition[unit.partition_offset:unit.partition_offset + unit.shard])
+        if len(keys) == 1:
+            mine = shards[0]
+            out = torch.empty(self.units[keys[0]][1].padded, dtype=mine.dtype, device=mine.device)
+        else:
+            mine = torch.cat(shards)
+            out = torch.empty(self.world, mine.numel(), dtype=mine.dtype, device=mine.device)
         if self.world == 1:
-            full.copy_(shard)
+            out.view(-1).copy_(mine)
             handle = None
         else:
-            handle = collectives.all_gather(full, shard, group=self.group, async_op=True, logger=self.zero.logger)
-        self.pending[key] = (full, handle)
+            handle = collectives.all_gather(out, mine, group=self.group, async_op=True, logger=self.zero.logger)
+        batch = _Gather(keys, out, handle)
+        for key in keys:
+            self.pending[key] = batch
 
     def _wait(self, key: _Key) -> None:
-        if key not in self.pending:
+        batch = self.pending.get(key)
+        if batch is None:
             return
-        full, handle = self.pending.pop(key)
-        if handle is not None:
-            handle.wait()
-        pg, unit = self.units[key]
-        for s in unit.slots:
-            pg.params[s.index].data = full[s.offset:s.offset + s.numel].view(s.shape)
-        self.full[key] = full
+        if batch.handle is not None:
+            batch.handle.wait()
+        col = 0
+        for k in batch.keys:
+            pg, unit = self.units[k]
+            if len(batch.keys) == 1:
+                full = batch.out
+            else:
+                full = batch.out[:, col:col + unit.shard].reshape(-1)  # a copy: the rows are strided
+            col += unit.shard
+            if self.pending.pop(k, None) is None:
+                continue
+            for s in unit.slots:
+                pg.params[s.index].data = full[s.offset:s.offset + s.numel].view(s.shape)
+            self.full[k] = full
 
     def gather(self, keys) -> None:
-        """Make the units whole now (launching all first, then waiting, so they overlap)."""
-        for key in keys:
-            self._launch(key)
+        """Make the units whole now (one collective for the ones not already on their way)."""
+        self._launch(list(keys))
         for key in keys:
             self._wait(key)
 
@@ -163,9 +184,7 @@ class Stage3Coordinator:
         """Re-gather the units kept whole (after each optimizer step updated their shards)."""
         for key in self.persistent:
             self.full.pop(key, None)
-            self._launch(key)
-        for key in self.persistent:
-            self._wait(key)
+        self.gather(sorted(self.persistent))
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -209,18 +228,23 @@ class Stage3Coordinator:
         return None
 
     def _prefetch(self, start: int) -> None:
+        """Start gathering the units of the next modules in the recorded order, as one
+        collective, within the prefetch budget and the live-parameter limit."""
         budget = self.cfg.stage3_prefetch_bucket_size
         live = self.live_numel()
+        ahead: list[_Key] = []
         for m in self.trace[start:]:
             for key in self.keys_of[m]:
-                if key in self.full or key in self.pending:
+                if key in self.full or key in self.pending or key in ahead:
                     continue
                 n = self.numel(key)
                 if n > budget or live + n > self.cfg.stage3_max_live_parameters:
+                    self._launch(ahead)
                     return
-                self._launch(key)
+                ahead.append(key)
                 budget -= n
                 live += n
+        self._launch(ahead)
 
     def _reused_soon(self, key: _Key, pos: int | None) -> bool:
         if pos is None or pos >= len(self._next_use):
@@ -250,6 +274,15 @@ class Stage3Coordinator:
             self._next_use[i] = dict(later)
             for key in self.keys_of[trace[i]]:
                 later[key] = i
+
+
+class _Gather:
+    """All-gathers in flight: the units, the output buffer and the collective's handle."""
+
+    __slots__ = ("keys", "out", "handle")
+
+    def __init__(self, keys: list[_Key], out: torch.Tensor, handle) -> None:
+        self.keys, self.out, self.handle = keys, out, handle
 
 
 class _GatherBeforeBackward(torch.autograd.Function):
