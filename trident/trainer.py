@@ -93,7 +93,7 @@ def _memory_report(engine, model_cfg: GPTConfig) -> str:
 
 def train(cfg: TridentConfig) -> Path:
     env = init_distributed(timeout_s=cfg.distributed.timeout_s)
-    mesh = ParallelMesh.build(pp=1, tp=1, device_type=env.device.type)
+    mesh = ParallelMesh.build(pp=1, tp=cfg.tensor_parallel.size, device_type=env.device.type)
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     model_cfg = gpt_config(cfg, tokenizer.get_vocab_size())

@@ -178,14 +178,18 @@ def _tensor_entries(engine, file: str) -> dict[str, dict]:
     for name, t in engine.module.state_dict(keep_vars=True).items():
         local = list(_global_shape(t))
         shape = list(local)
-        dim = getattr(t, "partition_dim", None) if getattr(t, "tensor_model_parallel", False) else None
+        spec = getattr(t, "tp_spec", None) if getattr(t, "tensor_model_parallel", False) else None
         sl = [[0, n] for n in local]
-        if dim is not None and mesh.tp_size > 1:
-            shape[dim] = local[dim] * mesh.tp_size
-            sl[dim] = [mesh.tp_rank * local[dim], (mesh.tp_rank + 1) * local[dim]]
-        out[name] = {"global_shape": shape, "dtype": str(t.dtype).replace("torch.", ""),
-                     "shards": [{"file": file if name in stored else "zero partitions",
-                                 "pp": mesh.pp_rank, "tp": mesh.tp_rank, "slice": sl}]}
+        entry = {"global_shape": shape, "dtype": str(t.dtype).replace("torch.", "")}
+        if spec is not None and mesh.tp_size > 1:
+            # Rank r holds rows [r * local, (r + 1) * local) of each of `stride` fused blocks of the
+            # (padded) dim; the padding rows past full_size are not part of the global tensor.
+            shape[spec.dim] = spec.full_size
+            sl[spec.dim] = [mesh.tp_rank * local[spec.dim], (mesh.tp_rank + 1) * local[spec.dim]]
+            entry["tp_split"] = {"dim": spec.dim, "stride": spec.stride, "padded_size": spec.padded_size}
+        entry["shards"] = [{"file": file if name in stored else "zero partitions",
+                            "pp": mesh.pp_rank, "tp": mesh.tp_rank, "slice": sl}]
+        out[name] = entry
     return out
 
 

@@ -3,10 +3,17 @@
     idx -> Embedding(tok + pos) -> n_layer x Block -> ln_f -> lm_head -> logits
     Block: x + attn(ln_1(x)), then x + mlp(ln_2(x))         (pre-LayerNorm)
 
-The model knows nothing of parallelism. Every layer that a tensor-parallel plan may replace is
-a plainly named submodule (`embed.wte`, `attn.qkv`, `attn.proj`, `mlp.fc`, `mlp.proj`,
+Built as `GPT(cfg)` the model is plain PyTorch. Every layer that tensor parallelism replaces
+is a plainly named submodule (`embed.wte`, `attn.qkv`, `attn.proj`, `mlp.fc`, `mlp.proj`,
 `lm_head`), and the attention reads its number of heads from the width of `qkv`'s output, so a
 column-parallel `qkv` holding some of the heads works unchanged.
+
+`GPT(cfg, mesh)` (or `parallelize_tensor(mesh)` later) takes tp from the mesh: vocabulary-
+parallel embedding and loss, attention split by heads, the MLP split column-then-row; two
+all-reduces forward and two backward per block. With `sequence_parallel` the LayerNorms,
+dropouts and residual stream work on sequence shards. The full weights are drawn first and
+then sliced, and every dropout mask equals the one a single process with the same mesh-built
+model draws (see trident.tensor_parallel.dropout), so any tp size trains to the losses of tp=1.
 """
 
 from __future__ import annotations
@@ -17,6 +24,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from trident.comm.logger import CommsLogger
+from trident.parallel.rng import RNGTracker
+from trident.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from trident.tensor_parallel.dropout import SequenceParallelDropout, unit_dropout_mask
+from trident.tensor_parallel.layers import TPHandle, mark_sequence_parallel
+from trident.tensor_parallel.mappings import gather_from_tp_region
+from trident.tensor_parallel.plan import Column, Row, Vocab, apply_plan, tp_layers
 
 
 @dataclass
@@ -66,16 +81,24 @@ GPT_PRESETS: dict[str, dict] = {
 
 
 class Embedding(nn.Module):
-    """Token plus learned position embeddings, then dropout."""
+    """Token plus learned position embeddings, then dropout.
+
+    Under sequence parallelism `seq_shard` is (tp_rank, tp_size): `wte` returns this rank's
+    sequence shard and only its positions are added.
+    """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
+        self.seq_shard: tuple[int, int] | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
+        if self.seq_shard is not None:
+            rank, size = self.seq_shard
+            positions = positions.chunk(size)[rank]
         return self.drop(self.wte(idx) + self.wpe(positions))
 
 
@@ -85,6 +108,9 @@ class CausalSelfAttention(nn.Module):
     `qkv`'s output features are ordered (head, q|k|v, head_dim): each head's query, key and
     value sit together, so a contiguous slice of the output holds whole heads. That is what a
     column-parallel split of `qkv` (and a matching row-parallel `proj`) needs.
+
+    `head_rng` (set by GPT.parallelize_tensor) holds one random stream per head held here:
+    attention dropout then draws head h's mask from head h's stream, whatever the tp size.
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -94,12 +120,25 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.attn_dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.head_rng: list[torch.Generator] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.split_heads(self.qkv(x))
         p = self.attn_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.head_rng is not None and p > 0:
+            y = self.attend_with_head_dropout(q, k, v, p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.resid_drop(self.proj(self.merge_heads(y)))
+
+    def attend_with_head_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+        """Causal softmax attention whose dropout mask for head h comes from `head_rng[h]`."""
+        t = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+        att = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        att = att * unit_dropout_mask(att.shape, 1, self.head_rng, p, dtype=att.dtype, device=att.device)
+        return att @ v
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, heads * 3 * hd] -> q, k, v, each [B, heads, T, hd]; heads = width / (3 * hd)."""
@@ -145,9 +184,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only language model; `forward(idx)` gives logits, `forward(idx, targets)` the loss."""
+    """Decoder-only language model; `forward(idx)` gives logits, `forward(idx, targets)` the loss.
 
-    def __init__(self, cfg: GPTConfig):
+    With `mesh` (a ParallelMesh) the model is tensor-parallel over the mesh's tp group: see
+    `parallelize_tensor` for the other arguments.
+    """
+
+    def __init__(self, cfg: GPTConfig, mesh=None, *, sequence_parallel: bool = False,
+                 logger: CommsLogger | None = None, rng_seed: int | None = None):
         super().__init__()
         self.config = cfg
         self.embed = Embedding(cfg)
@@ -156,6 +200,61 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.init_weights()
+        self.tp: TPHandle | None = None
+        self.sequence_parallel = False
+        self.rng_tracker: RNGTracker | None = None
+        if mesh is not None:
+            self.parallelize_tensor(mesh, sequence_parallel=sequence_parallel, logger=logger, rng_seed=rng_seed)
+        elif sequence_parallel:
+            raise ValueError("GPT: sequence_parallel=True needs mesh=<ParallelMesh>; it splits the sequence "
+                             "over the mesh's tp ranks")
+
+    def parallelize_tensor(self, mesh, *, sequence_parallel: bool = False, logger: CommsLogger | None = None,
+                           rng_seed: int | None = None) -> None:
+        """Split this model over `mesh`'s tp ranks in place (before creating the optimizer).
+
+        Heads must divide by tp; the vocabulary is padded to a multiple of tp (Megatron-LM's
+        convention) and the pad logits are excluded from the loss. `sequence_parallel` needs
+        seq_len divisible by tp. `logger` counts the collectives. `rng_seed` seeds the
+        per-head dropout streams (default: torch.initial_seed(), the same on every rank that
+        seeded torch alike); `rng_tracker.get_states()` / `set_states()` replay them.
+        """
+        cfg, tp = self.config, mesh.tp_size
+        if tp_layers(self):
+            raise ValueError("GPT.parallelize_tensor: the model is already tensor-parallel")
+        if cfg.n_head % tp:
+            raise ValueError(f"GPT: n_head={cfg.n_head} is not divisible by tensor_parallel.size={tp}; attention "
+                             f"is split by heads, so choose a tp size that divides {cfg.n_head}")
+        if sequence_parallel and cfg.seq_len % tp:
+            raise ValueError(f"GPT: seq_len={cfg.seq_len} is not divisible by tensor_parallel.size={tp}; sequence "
+                             f"parallelism splits the sequence, so choose a seq_len that is a multiple of {tp}")
+        plan = {"embed.wte": Vocab(), "attn.qkv": Column(), "attn.proj": Row(), "mlp.fc": Column(),
+                "mlp.proj": Row(), "lm_head": Column(pad_vocab=True)}
+        apply_plan(self, plan, mesh, sequence_parallel=sequence_parallel, logger=logger)
+        self.tp, self.sequence_parallel = TPHandle(mesh, logger), sequence_parallel
+        device = self.lm_head.weight.device
+        if device.type == "meta":  # shapes only: the streams live where real tensors will, the host by default
+            device = torch.device("cpu")
+        self.rng_tracker = RNGTracker.for_mesh(torch.initial_seed() if rng_seed is None else rng_seed, mesh, device)
+        local_heads = cfg.n_head // tp
+        heads = range(mesh.tp_rank * local_heads, (mesh.tp_rank + 1) * local_heads)
+        for i, block in enumerate(self.blocks):
+            block.attn.head_rng = self.rng_tracker.unit_generators(f"blocks.{i}.attn", heads)
+        if sequence_parallel:
+            self._shard_sequence(mesh, logger)
+
+    def _shard_sequence(self, mesh, logger: CommsLogger | None) -> None:
+        """Sequence parallelism: position slices, sliced dropout masks, LayerNorm grads summed over tp."""
+        self.embed.seq_shard = (mesh.tp_rank, mesh.tp_size)
+        p = self.config.dropout
+        self.embed.drop = SequenceParallelDropout(p, mesh)
+        replicated = [self.embed.wpe.weight, *self.ln_f.parameters()]
+        for block in self.blocks:
+            block.attn.resid_drop = SequenceParallelDropout(p, mesh)
+            block.mlp.drop = SequenceParallelDropout(p, mesh)
+            replicated += [*block.ln_1.parameters(), *block.ln_2.parameters()]
+        for param in replicated:
+            mark_sequence_parallel(param, mesh, logger)
 
     def tie_weights(self) -> None:
         """Share the token embedding with the output projection (when `tie_embeddings`)."""
@@ -186,13 +285,19 @@ class GPT(nn.Module):
         if idx.shape[1] > self.config.seq_len:
             raise ValueError(f"input has {idx.shape[1]} tokens but the model's seq_len is "
                              f"{self.config.seq_len}; truncate the input or build a longer model")
+        if self.sequence_parallel and idx.shape[1] % self.tp.size:
+            raise ValueError(f"input has {idx.shape[1]} tokens, not divisible by tp={self.tp.size}; "
+                             f"sequence parallelism splits the sequence evenly, so pad or truncate the input")
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits
-        return self.loss(logits, targets)
+        if self.tp is None:
+            return logits if targets is None else self.loss(logits, targets)
+        if targets is None:  # this rank holds a slice of the (padded) vocabulary: gather and trim
+            return gather_from_tp_region(logits, self.tp.group, self.tp.logger)[..., :self.config.vocab_size]
+        return vocab_parallel_cross_entropy(logits, targets, self.tp.group, vocab_size=self.config.vocab_size,
+                                            logger=self.tp.logger)
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -200,7 +305,7 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Distinct parameters (a tied weight counts once).
+        """Distinct parameters held by this process (a tied weight counts once; tp shards locally).
 
         With `exclude_embeddings`, the token and position tables are left out (Kaplan et al.'s
         non-embedding count); an untied `lm_head` still counts.
