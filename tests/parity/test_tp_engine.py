@@ -56,11 +56,11 @@ def test_plain_mlp_trains_under_tp_by_config_alone():
     assert_state_close(merged, ref_weights, rtol=1e-5)
 
 
-def train_gpt(tp: int, stage: int, micro: int, clip: float):
+def train_gpt(tp: int, stage: int, micro: int, clip: float, sequence_parallel: bool = False):
     mesh = cached_mesh(tp=tp)
     cfg = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 0, "gradient_clipping": clip,
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-           "tensor_parallel": {"size": tp},
+           "tensor_parallel": {"size": tp, "sequence_parallel": sequence_parallel},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}
     engine, *_ = trident.initialize(model=make_model(), config=cfg, mesh=mesh)
     dp, rank = mesh.dp_size, mesh.dp_rank
@@ -76,10 +76,10 @@ def train_gpt(tp: int, stage: int, micro: int, clip: float):
         shard_specs(engine.module), mesh.dp_rank, mesh.tp_rank
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_gpt_dp2_x_tp2_with_zero_matches_serial(stage):
+@pytest.mark.parametrize("stage,sequence_parallel", [(0, False), (1, False), (2, False), (1, True)])
+def test_gpt_dp2_x_tp2_with_zero_matches_serial(stage, sequence_parallel):
     ref_losses, ref_weights = serial_reference(8, 0.05)
-    results = run_on_ranks(4, train_gpt, 2, stage, 4, 0.05)
+    results = run_on_ranks(4, train_gpt, 2, stage, 4, 0.05, sequence_parallel)
     by_dp = {}
     for losses, weights, specs, dp_rank, tp_rank in results:
         by_dp.setdefault(dp_rank, {})[tp_rank] = (losses, weights, specs)
