@@ -76,7 +76,7 @@ def train_gpt(tp: int, stage: int, micro: int, clip: float, sequence_parallel: b
         shard_specs(engine.module), mesh.dp_rank, mesh.tp_rank
 
 
-@pytest.mark.parametrize("stage,sequence_parallel", [(0, False), (1, False), (2, False), (1, True)])
+@pytest.mark.parametrize("stage,sequence_parallel", [(0, False), (1, False), (2, False), (3, False), (1, True)])
 def test_gpt_dp2_x_tp2_with_zero_matches_serial(stage, sequence_parallel):
     ref_losses, ref_weights = serial_reference(8, 0.05)
     results = run_on_ranks(4, train_gpt, 2, stage, 4, 0.05, sequence_parallel)
