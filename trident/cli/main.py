@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trident.cli import checkpoint_cmd, config_check, launch, plan, train
+from trident.cli import checkpoint_cmd, config_check, launch, pipeline_cmd, plan, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_parser(sub)
     train.add_parser(sub)
     plan.add_parser(sub)
+    pipeline_cmd.add_parser(sub)
     config = sub.add_parser("config", help="inspect configs")
     config_check.add_parser(config.add_subparsers(dest="config_command", metavar="SUBCOMMAND"))
     checkpoint_cmd.add_parser(sub)

@@ -28,12 +28,14 @@ from trident.data.sampler import DistributedSampler
 from trident.data_parallel.reducer import GradientReducer
 from trident.data_parallel.replicated import ReplicatedOptimizer
 from trident.engine.engine import Engine
+from trident.engine.pipeline_engine import build_pipeline_engine
 from trident.engine.host_allocator import tune_glibc_malloc
 from trident.monitor.log import format_bytes, logger, setup_logging
 from trident.monitor.writers import Monitors
 from trident.optim.factory import build_optimizer
 from trident.optim.schedulers import build_scheduler
 from trident.parallel.mesh import ParallelMesh
+from trident.pipeline.module import PipelineModule
 from trident.precision.loss_scaler import make_loss_scaler
 from trident.precision.mixed import MasterWeights, compute_dtype, retarget_optimizer
 from trident.zero.optimizer import ZeroOptimizer
@@ -107,8 +109,12 @@ def initialize(
     scheduler = _make_scheduler(lr_scheduler, optimizer, cfg)
     loss_scaler = make_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None
     monitors = Monitors(cfg.tensorboard, cfg.csv_monitor, enabled=mesh.mesh_rank == 0)
-    engine = Engine(model, cfg, mesh, batch, master, reducer, optimizer, scheduler, loss_scaler,
-                    comms_logger, monitors)
+    if isinstance(model, PipelineModule):
+        engine = build_pipeline_engine(model, cfg, mesh, batch, master, reducer, optimizer, scheduler,
+                                       loss_scaler, comms_logger, monitors)
+    else:
+        engine = Engine(model, cfg, mesh, batch, master, reducer, optimizer, scheduler, loss_scaler,
+                        comms_logger, monitors)
     loader = _make_loader(training_data, collate_fn, mesh, batch, cfg) if training_data is not None else None
     engine.training_dataloader = loader
     _log_startup(engine, device)

@@ -9,11 +9,14 @@ During the schedule gradients only accumulate locally, so nothing but point-to-p
 runs. Then every rank of the mesh takes part in one agreement (an all-reduce of [failed?, loss
 share]): all ranks learn the batch's mean loss, and if any stage failed, all of them raise the
 same `PipelineError` (the earliest failure's message) instead of stepping. Only then come the
-step instructions, each a collective:
+step instructions:
 
     ReduceTiedGrads  weights tied across stages (`TiedLayerSpec`) are parameters on the first
                      stage holding them (the owner) and buffer copies elsewhere. Each copy's
-                     gradient was accumulated in fp32; they are summed onto the owner.
+                     gradient is accumulated in fp32 and sent to the owner as soon as its
+                     stage's schedule ends (the owner posted the receive before its own
+                     schedule, so the transfer overlaps its last backward); here the owner
+                     waits for them and sums them.
     ReduceGrads      one boundary pass of the gradient strategy (`start_backward(boundary=True)`,
                      `finish_backward()`): the owner first adds the copies' gradient to its
                      parameters through autograd, so the data-parallel reduction (all-reduce,
@@ -35,7 +38,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from trident.comm import collectives
+from trident.comm import collectives, p2p
 from trident.engine.engine import Engine
 from trident.monitor.log import logger
 from trident.parallel.mesh import ParallelMesh
@@ -77,6 +80,8 @@ class PipelineEngine(Engine):
         act_group = self.mesh.pp_group if stages > 1 else None
         self.executor = StageExecutor(module, act_group, grad_group, self.compute_dtype, self.reducer)
         self._batch_loss = 0.0
+        self._tied_transfers: list = []  # this step's sends / receives of tied-copy gradients
+        self._tied_incoming: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # owner: (sum, received)
         self._step_handlers = {ReduceTiedGrads: self._reduce_tied_grads, ReduceGrads: self._reduce_grads,
                                OptimizerStep: self._optimizer_step}
 
@@ -105,9 +110,16 @@ class PipelineEngine(Engine):
         """
         self.module.train()
         split = next(i for i, instr in enumerate(self.train_program) if isinstance(instr, STEP))
-        result = self.executor.run(self.train_program[:split], data_iter,
-                                   loss_scale=self.loss_scale / self.micro_batches, train=True)
-        self._batch_loss = self._agree(result, "train_batch")
+        self._post_tied_receives()
+        with self.timers("pipeline"):
+            result = self.executor.run(self.train_program[:split], data_iter,
+                                       loss_scale=self.loss_scale / self.micro_batches, train=True)
+        self._send_tied_grads()
+        try:
+            self._batch_loss = self._agree(result, "train_batch")
+        except PipelineError:
+            self._abandon_step()
+            raise
         for instr in self.train_program[split:]:
             self._step_handlers[type(instr)]()
         self.micro_steps += self.micro_batches
@@ -129,14 +141,13 @@ class PipelineEngine(Engine):
         self.executor.reset_shapes()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("a pipeline engine runs whole batches: call engine.train_batch(data_iter) or "
-                           "engine.eval_batch(data_iter) instead of engine(...), backward() and step()")
+        raise _whole_batches_only()
 
     def backward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward()
+        raise _whole_batches_only()
 
     def step(self) -> None:
-        self.forward()
+        raise _whole_batches_only()
 
     # -- agreement and step ----------------------------------------------------------------
 
@@ -146,7 +157,8 @@ class PipelineEngine(Engine):
         share = 0.0
         if self.is_last_stage() and result.losses:
             share = sum(result.losses) / len(result.losses) / (mesh.dp_size * mesh.tp_size)
-        status = torch.tensor([1.0 if result.error else 0.0, share], dtype=torch.float64)
+        status = torch.tensor([1.0 if result.error else 0.0, share], dtype=torch.float64,
+                              device=self.executor.device)
         collectives.all_reduce(status, group=mesh.mesh_group)
         if status[0] == 0:
             return float(status[1])
@@ -159,12 +171,35 @@ class PipelineEngine(Engine):
         raise PipelineError(f"{what}: pipeline stage {stage} (global rank {rank}) raised {error.rstrip()}"
                             f"{others}") from result.exception
 
+    def _post_tied_receives(self) -> None:
+        """Owner: post a receive for every copy's gradient before the schedule starts."""
+        for tie in self.ties:
+            if tie.owner:
+                for total in tie.sums:
+                    bufs = [torch.empty_like(total) for _ in range(1, dist.get_world_size(tie.group))]
+                    self._tied_transfers += [p2p.irecv(b, src, group=tie.group) for src, b in enumerate(bufs, 1)]
+                    self._tied_incoming.append((total, bufs))
+
+    def _send_tied_grads(self) -> None:
+        """Copies: send the accumulated gradient to the owner (group rank 0) as the schedule ends."""
+        for tie in self.ties:
+            if not tie.owner:
+                self._tied_transfers += [p2p.isend(total, 0, group=tie.group) for total in tie.sums]
+
     def _reduce_tied_grads(self) -> None:
+        for handle in self._tied_transfers:
+            handle.wait()
+        for total, bufs in self._tied_incoming:
+            total.copy_(torch.stack(bufs).sum(0))
+        self._tied_transfers, self._tied_incoming = [], []
+
+    def _abandon_step(self) -> None:
+        """After a failed batch: finish the posted transfers and drop every accumulated gradient."""
+        self._reduce_tied_grads()
         for tie in self.ties:
             for total in tie.sums:
-                if tie.owner:
-                    total.zero_()
-                collectives.reduce(total, dst=0, group=tie.group)
+                total.zero_()
+        self.reducer.zero_grad()
 
     def _reduce_grads(self) -> None:
         self.reducer.start_backward(boundary=True)
@@ -187,18 +222,26 @@ class PipelineEngine(Engine):
         return super()._grad_split_groups() + extra
 
 
+def _whole_batches_only() -> RuntimeError:
+    return RuntimeError("a pipeline engine runs whole batches: call engine.train_batch(data_iter) or "
+                        "engine.eval_batch(data_iter) instead of engine(...), engine.backward() and engine.step()")
+
+
 def build_pipeline_engine(module: PipelineModule, cfg, mesh: ParallelMesh, batch, master, reducer, optimizer,
                           lr_scheduler, loss_scaler, comms_logger, monitors) -> PipelineEngine:
     """The pipeline engine over what `trident.initialize` built for a `PipelineModule`.
 
-    Collective over the pipeline's ranks (creates their gradient and tied-weight groups).
+    Collective over every rank of the job (it creates process groups, in the same order everywhere).
     """
     micro_batches = _check_layout(module, cfg, mesh, batch)
-    grad_group = None
+    grad_group, ties = None, []
     if mesh.pp_size > 1:
-        # A second group over the same ranks: gradients travel FIFO apart from activations.
-        grad_group = dist.new_group(mesh.group_ranks("pp"), use_local_synchronization=True)
-    ties = _tie_groups(module, mesh)
+        if mesh.world_size != dist.get_world_size():
+            raise ValueError(f"pipeline parallelism needs a mesh over every rank of the job (this mesh has "
+                             f"{mesh.world_size} of {dist.get_world_size()}); build it with ParallelMesh.build()")
+        # A second group over each pipeline's ranks: gradients travel FIFO apart from activations.
+        grad_group = _new_groups([[mesh.ranks[r] for r in g] for g in mesh.topology.axis_groups("pp")])
+        ties = _tie_groups(module, mesh)
     engine = PipelineEngine(module, cfg, mesh, batch, master, reducer, optimizer, lr_scheduler, loss_scaler,
                             comms_logger, monitors, schedule=cfg.pipeline.schedule,
                             micro_batches=micro_batches, grad_group=grad_group, ties=ties)
@@ -227,6 +270,10 @@ def _check_layout(module: PipelineModule, cfg, mesh: ParallelMesh, batch) -> int
         raise ValueError(f"zero_optimization.stage={cfg.zero_optimization.stage} does not combine with pipeline "
                          f"parallelism (every micro-batch's backward would reduce-scatter gradients); use "
                          f"stage 0 or 1")
+    if pipe.partition_method != module.partition_method:
+        logger.warning("config pipeline.partition_method=%r differs from PipelineModule(partition_method=%r); "
+                       "the module's partition is used (the layers are already built)", pipe.partition_method,
+                       module.partition_method)
     gas = batch.gradient_accumulation_steps
     if pipe.micro_batches is not None and pipe.micro_batches != gas:
         raise ValueError(f"pipeline.micro_batches={pipe.micro_batches} but gradient_accumulation_steps={gas}: "
@@ -234,18 +281,30 @@ def _check_layout(module: PipelineModule, cfg, mesh: ParallelMesh, batch) -> int
     return gas
 
 
-def _tie_groups(module: PipelineModule, mesh: ParallelMesh) -> list[TiedWeights]:
-    """A group per tied key over the stages holding it (same dp and tp coordinates as this rank).
+def _new_groups(rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
+    """Create a group for each list (every rank creates all of them, in order); return this rank's."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
 
-    Only the holders create it (local synchronisation). The owner's weights are broadcast so
-    every copy starts equal; each copy then requires grad and accumulates its gradient in fp32.
+
+def _tie_groups(module: PipelineModule, mesh: ParallelMesh) -> list[TiedWeights]:
+    """A group per tied key and (dp, tp) coordinate over the stages holding the key.
+
+    The owner's weights are broadcast so every copy starts equal; each copy then requires
+    grad and accumulates its gradient in fp32.
     """
-    ties = []
+    ties, t = [], mesh.topology
     for key, stages in module.tied_stages.items():
-        if len(stages) < 2 or mesh.pp_rank not in stages:
+        if len(stages) < 2:
             continue
-        ranks = [mesh.ranks[mesh.topology.rank_of(pp=s, dp=mesh.dp_rank, tp=mesh.tp_rank)] for s in stages]
-        group = dist.new_group(ranks, use_local_synchronization=True)
+        group = _new_groups([[mesh.ranks[t.rank_of(pp=s, dp=d, tp=p)] for s in stages]
+                             for d in range(t.dp) for p in range(t.tp)])
+        if mesh.pp_rank not in stages:
+            continue
         tensors = module.tied_tensors(key)
         sums = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in tensors]
         with torch.no_grad():
@@ -269,6 +328,7 @@ def _log_pipeline(engine: PipelineEngine) -> None:
     module = engine.module
     stages, v, m = module.num_stages, module.virtual_stages, engine.micro_batches
     timeline = simulate(build_all(engine.schedule, stages, m, v))
+    logger.info("%s", module.describe_partition())
     logger.info("pipeline: schedule %s, %d stage(s) x %d chunk(s), %d micro-batches; bubble %.1f%% at equal "
                 "stage costs; stage %d keeps up to %d micro-batch activations", engine.schedule, stages, v, m,
                 100 * timeline.bubble_fraction(), module.stage_id, timeline.peak_live[module.stage_id])

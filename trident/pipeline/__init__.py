@@ -1,0 +1,48 @@
+"""Pipeline parallelism: layers split over stages, micro-batches streamed through them.
+
+    PipelineModule, LayerSpec, TiedLayerSpec      the model, built stage by stage (module.py)
+    gpipe, one_f_one_b, interleaved_1f1b, zb_h1   schedules as pure functions (schedules.py)
+    simulate, check_schedule, Costs               timelines, bubbles, well-formedness (simulate.py)
+    StageExecutor                                 runs a stage's instructions (executor.py)
+
+The engine that drives them is `trident.engine.pipeline_engine.PipelineEngine`.
+"""
+
+from trident.pipeline.executor import PipelineError, StageExecutor
+from trident.pipeline.instructions import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    Instruction,
+    LoadMicroBatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+)
+from trident.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
+from trident.pipeline.partition import partition_balanced, partition_uniform
+from trident.pipeline.schedules import (
+    SCHEDULES,
+    build_all,
+    build_schedule,
+    forward_only,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    zb_h1,
+)
+from trident.pipeline.simulate import Costs, ScheduleError, Timeline, check_schedule, simulate
+
+__all__ = [
+    "Backward", "BackwardInput", "BackwardWeight", "Costs", "Forward", "Instruction", "LayerSpec",
+    "LoadMicroBatch", "OptimizerStep", "PipelineError", "PipelineModule", "RecvActivation", "RecvGrad",
+    "ReduceGrads", "ReduceTiedGrads", "SCHEDULES", "ScheduleError", "SendActivation", "SendGrad",
+    "StageExecutor", "TiedLayerSpec", "Timeline", "build_all", "build_schedule", "check_schedule",
+    "forward_only", "gpipe", "interleaved_1f1b", "one_f_one_b", "partition_balanced", "partition_uniform",
+    "simulate", "zb_h1",
+]
