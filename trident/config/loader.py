@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from trident.config.errors import (ROOT, ConfigError, ConfigIssue, describe_value, issues_from_validation_error,
                                    join_path, section_type, unknown_name_message)
-from trident.config.schema import DEPRECATED_ALIASES, UNIMPLEMENTED_KEYS, TridentConfig
+from trident.config.schema import DEPRECATED_ALIASES, SYNONYMS, UNIMPLEMENTED_KEYS, TridentConfig
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -117,7 +117,8 @@ def _check_keys(data: dict, model: type[BaseModel], path: str, issues: list[Conf
                 issues.append(ConfigIssue(full, f"`{full}` is the old name of `{join_path(path, new)}` and both "
                                                 "are given; keep only the new one"))
                 continue
-            _warn_alias(full, join_path(path, new))
+            if full not in SYNONYMS:
+                _warn_alias(full, join_path(path, new))
             key, full = new, join_path(path, new)
         if key not in fields:
             if key in unimplemented:

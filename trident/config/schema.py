@@ -384,7 +384,12 @@ DEPRECATED_ALIASES: dict[str, str] = {
     "zero_optimization.gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
 }
-"""Old JSON path -> current key name in the same section. The loader warns once and renames."""
+"""Other JSON path -> current key name in the same section. The loader renames; it warns once
+for the deprecated ones (those not in `SYNONYMS`)."""
+
+SYNONYMS = frozenset(path for path in DEPRECATED_ALIASES
+                     if path.startswith("zero_optimization.") and "fp16" not in path)
+"""Aliases that are current DeepSpeed spellings, not deprecated ones: renamed without a warning."""
 
 ZERO_UNIMPLEMENTED_KEYS = frozenset({
     "use_multi_rank_bucket_allreduce", "allgather_partitions",
