@@ -92,6 +92,10 @@ def _memory_report(engine, model_cfg: GPTConfig) -> str:
 
 
 def train(cfg: TridentConfig) -> Path:
+    if cfg.parameter_server.servers > 0:
+        raise ValueError("parameter_server.servers > 0: `trident train` runs collective training only; "
+                         "drive a parameter-server run from your own script with trident.initialize "
+                         "(see docs/parameter_server.md) and `trident launch`")
     env = init_distributed(timeout_s=cfg.distributed.timeout_s)
     mesh = ParallelMesh.build(pp=1, tp=cfg.tensor_parallel.size, device_type=env.device.type)
     torch.manual_seed(cfg.seed)

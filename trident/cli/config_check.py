@@ -38,6 +38,13 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"{args.file}: {len(err.issues)} problem{'s' if len(err.issues) != 1 else ''}:\n{err}", file=sys.stderr)
         return 1
+    if cfg.parameter_server.servers > 0:
+        from trident.parameter_server.layout import check_supported
+        try:
+            check_supported(cfg)
+        except ValueError as err:
+            print(f"{args.file}: {err}", file=sys.stderr)
+            return 1
     resolved = cfg.to_dict()
     if args.world_size is not None:
         batch = resolve_batch(cfg, args.world_size)
