@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import trident
+from trident import diagnostics
 from trident.comm import collectives
 from trident.comm.backend import init_distributed
 from trident.config import TridentConfig, load_config
@@ -97,6 +98,7 @@ def train(cfg: TridentConfig) -> Path:
                          "drive a parameter-server run from your own script with trident.initialize "
                          "(see docs/parameter_server.md) and `trident launch`")
     env = init_distributed(timeout_s=cfg.distributed.timeout_s)
+    diagnostics.preflight(cfg)
     mesh = ParallelMesh.build(pp=1, tp=cfg.tensor_parallel.size, device_type=env.device.type)
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.data.tokenizer)

@@ -2,18 +2,29 @@
 
 trident does not spawn processes itself: torch.distributed.run (torchrun) starts the workers,
 sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, watches them, and restarts
-the group up to `--max-restarts` times when one fails. This module translates trident's flags
-into torchrun's and turns a worker failure into a short report naming the first failed rank.
+the group up to `--max-restarts` times when one fails (with `checkpoint.auto_resume` in the
+config, the restarted job continues from its newest complete checkpoint).
+
+When the job fails, the last lines name the rank that failed first. Ranks that stop because
+another one failed (the hang detector, a closed connection, the agent's SIGTERM) are not the
+cause: each worker leaves torchrun's error file with a `trident` entry saying whether its end
+was a cause (an exception, a hang report, a strict-mode divergence, a preflight mismatch) and
+when; without one, a rank killed by a signal other than the agent's SIGTERM is the cause.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import signal
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import get_args_parser as torchrun_parser
 from torch.distributed.run import run as torchrun_run
+
+from trident.diagnostics.failures import ABORT_EXIT_CODE, CAUSES
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +59,24 @@ def validate(args: argparse.Namespace) -> None:
                          f"for --nnodes {args.nnodes}, got {args.node_rank}")
     if args.max_restarts < 0:
         raise SystemExit(f"trident launch: --max-restarts must be >= 0, got {args.max_restarts}")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise SystemExit(f"trident launch: --master-port must be in 1..65535, got {args.master_port}")
+
+
+def _check_target(target: list[str], module: bool) -> None:
+    """Fail here, once, rather than in every worker, when the script or module does not exist."""
+    name = target[0]
+    if module:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise SystemExit(f"trident launch: no module named {name!r} (given with -m); check the name "
+                             f"and that its package is importable from {os.getcwd()}")
+    elif not os.path.isfile(name):
+        raise SystemExit(f"trident launch: script {name!r} does not exist or is not a file; give the path "
+                         f"of your training script (or -m package.module)")
 
 
 def torchrun_argv(args: argparse.Namespace, target: list[str], module: bool) -> list[str]:
@@ -65,19 +94,65 @@ def torchrun_argv(args: argparse.Namespace, target: list[str], module: bool) -> 
     return argv + target
 
 
+def _entry(failure: ProcessFailure) -> dict:
+    data = failure.error_file_data
+    entry = data.get("trident") if isinstance(data, dict) else None
+    return entry if isinstance(entry, dict) else {}
+
+
+def _message(failure: ProcessFailure) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return str(message or "")
+
+
+def first_failure(failures: dict[int, ProcessFailure]) -> tuple[int, str]:
+    """The rank whose failure caused the others, and what happened to it (see module doc)."""
+    entries = {rank: _entry(f) for rank, f in failures.items()}
+    causes = sorted((e["time"], rank) for rank, e in entries.items()
+                    if e.get("kind") in CAUSES and isinstance(e.get("time"), (int, float)))
+    if causes:
+        reporter = causes[0][1]
+        entry = entries[reporter]
+        if entry["kind"] in ("hang", "divergence") and entry.get("culprits"):
+            culprit = int(entry["culprits"][0])
+            return culprit, f"{entry.get('headline', '')} (reported by rank {reporter})"
+        return reporter, entry.get("error") or _message(failures[reporter])
+    signalled = sorted((f.timestamp, rank) for rank, f in failures.items()
+                       if f.exitcode < 0 and -f.exitcode != signal.SIGTERM)
+    if signalled:
+        rank = signalled[0][1]
+        return rank, f"killed by signal {-failures[rank].exitcode} ({failures[rank].signal_name()})"
+    own = sorted((f.timestamp, rank) for rank, f in failures.items()
+                 if f.exitcode not in (ABORT_EXIT_CODE, -signal.SIGTERM) and not entries[rank])
+    comm = sorted((e["time"], rank) for rank, e in entries.items()
+                  if e.get("kind") == "comm" and isinstance(e.get("time"), (int, float)))
+    if own or comm:
+        rank = (own or comm)[0][1]
+    else:
+        rank = min(failures, key=lambda r: failures[r].timestamp)
+    return rank, entries[rank].get("error") or _message(failures[rank]) or f"exit code {failures[rank].exitcode}"
+
+
 def launch(args: argparse.Namespace, target: list[str], module: bool) -> int:
     """Run `target` under torchrun; returns the exit code (non-zero if any rank failed)."""
     validate(args)
+    _check_target(target, module)
     parsed = torchrun_parser().parse_args(torchrun_argv(args, target, module))
+    # torchrun's agent otherwise shares one store across restarts, and the workers of a
+    # restarted group can read the previous group's stale gloo addresses and refuse to start;
+    # with this set, every attempt's rank 0 starts a fresh store.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         torchrun_run(parsed)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        print(f"\ntrident launch: the job failed; first failure on global rank {rank} "
-              f"(local rank {failure.local_rank}, pid {failure.pid}, exit code {failure.exitcode}).",
-              file=sys.stderr)
-        if failure.error_file and failure.message:
-            print(f"trident launch: rank {rank} error: {failure.message}", file=sys.stderr)
+        rank, what = first_failure(err.failures)
+        failure = err.failures.get(rank)
+        where = (f" (local rank {failure.local_rank}, pid {failure.pid}, exit code {failure.exitcode})"
+                 if failure is not None else " (on another node)")
+        print(f"\ntrident launch: the job failed; first failure on global rank {rank}{where}.\n"
+              f"trident launch: rank {rank}: {what}", file=sys.stderr)
         return 1
     return 0
 

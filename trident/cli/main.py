@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trident.cli import checkpoint_cmd, config_check, launch, pipeline_cmd, plan, train
+from trident.cli import checkpoint_cmd, config_check, launch, pipeline_cmd, plan, train, verify
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     launch.add_parser(sub)
     train.add_parser(sub)
+    verify.add_parser(sub)
     plan.add_parser(sub)
     pipeline_cmd.add_parser(sub)
     config = sub.add_parser("config", help="inspect configs")

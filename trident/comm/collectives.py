@@ -19,6 +19,10 @@ Reductions (`op`) follow torch's `ReduceOp`. What gloo lacks, measured on torch 
 Everything else (AVG, MAX, MIN, PRODUCT in all reductions including reduce_scatter, uneven
 all_to_all, async variants) is native on gloo. An async call returns a `Handle`; its `wait()`
 completes the op and stops the logger's clock.
+
+Every call is also noted by the hang detector's flight recorder (trident/diagnostics) when it
+is on: op, group, the group's call number, the tensor's shape and dtype, and the call site. A
+blocking call is watched from issue to return; an async one while `Handle.wait()` blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from trident.comm.logger import CommsLogger, Span
+from trident.diagnostics import recorder as flight
 
 ReduceOp = dist.ReduceOp
 ProcessGroup = dist.ProcessGroup
@@ -38,23 +43,37 @@ ProcessGroup = dist.ProcessGroup
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+flight.skip_frames_of(__file__)  # call sites are reported in the caller's file, not here
+
 
 class Handle:
     """A collective in flight. `wait()` blocks until it is done; calling it again is free."""
 
-    __slots__ = ("_work", "_span", "_done")
+    __slots__ = ("_work", "_span", "_done", "_rec", "_recorder")
 
-    def __init__(self, work: dist.Work | None, span: Span | None = None) -> None:
+    def __init__(self, work: dist.Work | None, span: Span | None = None, rec: flight.Record | None = None,
+                 recorder: flight.FlightRecorder | None = None) -> None:
         self._work, self._span = work, span
+        self._rec, self._recorder = rec, recorder
         self._done = False
 
     def wait(self) -> bool:
         if not self._done:
+            rec = self._rec
+            if rec is not None:
+                self._recorder.wait_begin(rec)
             if self._work is not None:
-                self._work.wait()
+                try:
+                    self._work.wait()
+                except BaseException as err:
+                    if rec is not None:
+                        self._recorder.failed(rec, err)
+                    raise
             self._done = True
             if self._span is not None:
                 self._span.end()
+            if rec is not None:
+                self._recorder.end(rec)
         return True
 
     def is_completed(self) -> bool:
@@ -78,16 +97,37 @@ def to_global_rank(group: ProcessGroup, rank: int, name: str) -> int:
 
 def logged_call(name: str, group: ProcessGroup, logger: CommsLogger | None, async_op: bool,
                 nbytes: Callable[[], int], device: torch.device,
-                issue: Callable[[], dist.Work | None]) -> Handle | None:
-    """Run `issue()`, timed from issue to completion if `logger` records `name`."""
+                issue: Callable[[], dist.Work | None], tensor: torch.Tensor | None = None,
+                exact: bool = True, transfers: list[tuple[str, int]] | None = None) -> Handle | None:
+    """Run `issue()`, timed from issue to completion if `logger` records `name`, and noted by
+    the flight recorder when the hang detector is on.
+
+    `tensor` is the per-rank buffer the recorder describes; `exact` says every rank passes as
+    many elements (strict mode compares them); `transfers` marks a point-to-point call: its
+    ("send" | "recv", global peer rank) pairs.
+    """
+    recorder = flight.active
+    rec = None
+    if recorder is not None:
+        if transfers is None:
+            rec = recorder.collective(name, group, tensor, not async_op, exact)
+        else:
+            rec = recorder.p2p(name, transfers, tensor, not async_op)
     span = None
     if logger is not None and logger.enabled:
         span = logger.begin(name, nbytes(), dist.get_world_size(group), device)
-    work = issue()
+    try:
+        work = issue()
+    except BaseException as err:
+        if rec is not None:
+            recorder.failed(rec, err)
+        raise
     if async_op:
-        return Handle(work, span)
+        return Handle(work, span, rec, recorder)
     if span is not None:
         span.end()
+    if rec is not None:
+        recorder.end(rec)
     return None
 
 
@@ -123,7 +163,7 @@ def broadcast(tensor: torch.Tensor, src: int, *, group: ProcessGroup, async_op: 
     """Copy group rank `src`'s `tensor` into `tensor` on every rank of the group."""
     gsrc = to_global_rank(group, src, "src")
     return logged_call("broadcast", group, logger, async_op, lambda: _nbytes(tensor), tensor.device,
-                       lambda: dist.broadcast(tensor, gsrc, group=group, async_op=async_op))
+                       lambda: dist.broadcast(tensor, gsrc, group=group, async_op=async_op), tensor)
 
 
 def scatter(output: torch.Tensor, inputs: Sequence[torch.Tensor] | None, src: int, *,
@@ -133,7 +173,8 @@ def scatter(output: torch.Tensor, inputs: Sequence[torch.Tensor] | None, src: in
     scatter_list = list(inputs) if inputs is not None else None
     return logged_call("scatter", group, logger, async_op,
                        lambda: _nbytes(output) * dist.get_world_size(group), output.device,
-                       lambda: dist.scatter(output, scatter_list, src=gsrc, group=group, async_op=async_op))
+                       lambda: dist.scatter(output, scatter_list, src=gsrc, group=group, async_op=async_op),
+                       output)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, *, group: ProcessGroup,
@@ -147,7 +188,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, *, group
     if factor is not None:
         tensor.mul_(factor)
     return logged_call("reduce", group, logger, async_op, lambda: _nbytes(tensor), tensor.device,
-                       lambda: dist.reduce(tensor, gdst, op=op, group=group, async_op=async_op))
+                       lambda: dist.reduce(tensor, gdst, op=op, group=group, async_op=async_op), tensor)
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, group: ProcessGroup,
@@ -157,7 +198,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, group: Proc
     if factor is not None:
         tensor.mul_(factor)
     return logged_call("all_reduce", group, logger, async_op, lambda: _nbytes(tensor), tensor.device,
-                       lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+                       lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), tensor)
 
 
 def gather(tensor: torch.Tensor, outputs: Sequence[torch.Tensor] | None, dst: int, *,
@@ -167,7 +208,8 @@ def gather(tensor: torch.Tensor, outputs: Sequence[torch.Tensor] | None, dst: in
     gather_list = list(outputs) if outputs is not None else None
     return logged_call("gather", group, logger, async_op,
                        lambda: _nbytes(tensor) * dist.get_world_size(group), tensor.device,
-                       lambda: dist.gather(tensor, gather_list, dst=gdst, group=group, async_op=async_op))
+                       lambda: dist.gather(tensor, gather_list, dst=gdst, group=group, async_op=async_op),
+                       tensor)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: ProcessGroup,
@@ -181,7 +223,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: ProcessGroup
     flat_out = _flat_output(output, n * input.numel(), "all_gather", input)
     flat_in = input.reshape(-1)
     return logged_call("all_gather", group, logger, async_op, lambda: _nbytes(output), output.device,
-                       lambda: _all_gather_flat(flat_out, flat_in, group=group, async_op=async_op))
+                       lambda: _all_gather_flat(flat_out, flat_in, group=group, async_op=async_op), input)
 
 
 def all_gather_list(outputs: Sequence[torch.Tensor], input: torch.Tensor, *, group: ProcessGroup,
@@ -189,7 +231,8 @@ def all_gather_list(outputs: Sequence[torch.Tensor], input: torch.Tensor, *, gro
     """`outputs[i]` receives group rank i's `input` (all inputs of one shape)."""
     outputs = list(outputs)
     return logged_call("all_gather_list", group, logger, async_op, lambda: _nbytes(input) * len(outputs),
-                       input.device, lambda: dist.all_gather(outputs, input, group=group, async_op=async_op))
+                       input.device, lambda: dist.all_gather(outputs, input, group=group, async_op=async_op),
+                       input)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
@@ -208,7 +251,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOp = Red
     op, factor = _reduction(op, output, group)
     flat_in = input.reshape(-1) if factor is None else input.reshape(-1) * factor
     return logged_call("reduce_scatter", group, logger, async_op, lambda: _nbytes(input), input.device,
-                       lambda: _reduce_scatter_flat(flat_out, flat_in, op=op, group=group, async_op=async_op))
+                       lambda: _reduce_scatter_flat(flat_out, flat_in, op=op, group=group, async_op=async_op),
+                       input)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, *, group: ProcessGroup,
@@ -224,10 +268,24 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, *, group: ProcessGroup
     in_splits = list(input_split_sizes) if input_split_sizes is not None else None
     return logged_call("all_to_all", group, logger, async_op, lambda: _nbytes(input), input.device,
                        lambda: dist.all_to_all_single(output, input, out_splits, in_splits,
-                                                      group=group, async_op=async_op))
+                                                      group=group, async_op=async_op),
+                       input, exact=out_splits is None and in_splits is None)
 
 
 def barrier(*, group: ProcessGroup, logger: CommsLogger | None = None) -> None:
     """Return once every rank of the group has called barrier."""
     logged_call("barrier", group, logger, False, lambda: 0, torch.device("cpu"),
                 lambda: dist.barrier(group=group))
+
+
+def all_gather_object(outputs: list, obj: object, *, group: ProcessGroup) -> None:
+    """`outputs[i]` receives group rank i's picklable `obj` (`outputs` has group-size entries)."""
+    logged_call("all_gather_object", group, None, False, lambda: 0, torch.device("cpu"),
+                lambda: dist.all_gather_object(outputs, obj, group=group))
+
+
+def broadcast_object_list(objects: list, src: int, *, group: ProcessGroup) -> None:
+    """Every rank's `objects` becomes group rank `src`'s (picklable entries, same length)."""
+    gsrc = to_global_rank(group, src, "src")
+    logged_call("broadcast_object_list", group, None, False, lambda: 0, torch.device("cpu"),
+                lambda: dist.broadcast_object_list(objects, src=gsrc, group=group))

@@ -3,7 +3,8 @@
 The order is fixed and is the one place where strategies meet:
 
   1. parse the config (once, into typed objects)
-  2. start torch.distributed from torchrun's environment and build the mesh
+  2. start torch.distributed from torchrun's environment, check every rank agrees (preflight),
+     build the mesh and start the hang detector
   3. resolve the batch triangle for the mesh's data-parallel size; on CPU, tune glibc's
      malloc so per-step allocations reuse memory instead of faulting it in again
   4. tensor parallelism: the config's plan replaces layers by their tp-split twins (each rank
@@ -20,6 +21,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from trident import diagnostics
 from trident.comm import collectives
 from trident.comm.backend import init_distributed
 from trident.comm.logger import CommsLogger
@@ -81,7 +83,10 @@ def initialize(
 
     if mesh is None:
         env = init_distributed(timeout_s=cfg.distributed.timeout_s)
+        diagnostics.preflight(cfg)  # through the store, before any group: same config, world size, versions
         mesh = ParallelMesh.build(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size, device_type=env.device.type)
+    diagnostics.configure(cfg.distributed, mesh)  # hang detector, before trident's first collective
+    diagnostics.preflight(cfg, mesh)  # same layout on every rank; a tiny all-reduce per axis group
     setup_logging(mesh.global_rank)
     batch = resolve_batch(cfg, mesh.dp_size)
     device = next(model.parameters()).device

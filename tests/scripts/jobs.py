@@ -1,0 +1,29 @@
+"""Run a `trident` command line as the launch tests do, without leaving processes behind.
+
+The command runs in its own session; if it outlives `timeout`, the whole process group (the
+launcher, torchrun's agent and every worker) is killed before the test fails, so a hung job
+cannot outlive its test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+TRIDENT = [sys.executable, "-m", "trident.cli.main"]
+
+
+def run_trident(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """`trident ARGS...`, its output captured as text."""
+    proc = subprocess.Popen(TRIDENT + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"`trident {' '.join(args)}` did not end within {timeout:g} s; killed it.\n"
+                             f"stdout tail:\n{out[-2000:]}\nstderr tail:\n{err[-2000:]}") from None
+    return subprocess.CompletedProcess(TRIDENT + args, proc.returncode, out, err)

@@ -1,0 +1,37 @@
+"""Reliability and diagnostics: the hang detector, failure propagation, preflight, `trident verify`.
+
+- `configure(cfg.distributed, mesh)`: turn the hang detector on (the default) or off for this
+  process: every collective and point-to-point call is recorded in a per-rank flight recorder,
+  and a watchdog thread turns a call stuck past `distributed.timeout_s`, a divergence found by
+  strict mode, or another rank's uncaught exception into one report and a prompt stop.
+- `preflight(cfg, mesh)`: before training, every rank checks that it sees the same config,
+  world size and layout as the others, and that its groups work; a mismatch is one line.
+- `trident.diagnostics.verify`: the engine of `trident verify` (layout versus one process).
+
+Only the recorder is imported by the comm layer; everything else loads on first use.
+"""
+
+from __future__ import annotations
+
+from trident.diagnostics.failures import ABORT_EXIT_CODE, OneLineError
+from trident.diagnostics.install import configure, shutdown
+from trident.diagnostics.recorder import FlightRecorder
+
+
+def preflight(cfg, mesh=None) -> None:
+    """Check, on every rank, that all ranks agree on the config, world size and layout and that
+    their process groups work; raises PreflightError (one line) otherwise. Collective."""
+    from trident.diagnostics.preflight_checks import run_preflight
+
+    run_preflight(cfg, mesh)
+
+
+def active_recorder() -> FlightRecorder | None:
+    """This process's flight recorder, or None when the hang detector is off."""
+    from trident.diagnostics import recorder as flight
+
+    return flight.active
+
+
+__all__ = ["ABORT_EXIT_CODE", "FlightRecorder", "OneLineError", "active_recorder", "configure", "preflight",
+           "shutdown"]
