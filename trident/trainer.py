@@ -21,7 +21,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import trident
 from trident import diagnostics
@@ -58,7 +57,7 @@ def gpt_config(cfg: TridentConfig, vocab_size: int) -> GPTConfig:
 def _run_dir(cfg: TridentConfig, mesh: ParallelMesh) -> Path:
     """Rank 0 picks the run folder name; every rank learns it."""
     name = [cfg.trainer.run_name or time.strftime("gpt-%Y%m%d-%H%M%S")]
-    dist.broadcast_object_list(name, src=mesh.group_ranks("dp")[0], group=mesh.dp_group)
+    collectives.broadcast_object_list(name, src=0, group=mesh.dp_group)
     return Path(cfg.trainer.run_dir) / name[0]
 
 

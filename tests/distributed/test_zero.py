@@ -8,6 +8,7 @@ import resource
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import trident
@@ -18,7 +19,7 @@ from trident.models.gpt import GPT, GPTConfig
 from trident.planner.memory import model_state_bytes, trident_state_bytes
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import assert_losses_close, assert_state_close
-from tests.parity.test_dp_equivalence import LR, MODEL, make_model, make_tokens, mean_losses, serial_reference
+from tests.parity.test_dp_equivalence import LR, make_model, make_tokens, mean_losses, serial_reference
 
 # A GPT large enough that per-unit padding (< dp elements per unit) is far below 1%.
 BIG = dict(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=64, dropout=0.0, bias=False)
@@ -332,8 +333,7 @@ def test_consolidation_of_bf16_runs_returns_the_fp32_masters(stage, tmp_path):
     results = run_on_ranks(2, save_bf16, stage, root)
     state = get_fp32_state_dict_from_zero_checkpoint(root)
     assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
-    bf16 = {k: v.float() for k, v in trident.checkpointing.consolidate.load_file(
-        str(tmp_path / "ckpt" / "global_step1" / "model.safetensors")).items()}
+    bf16 = {k: v.float() for k, v in load_file(str(tmp_path / "ckpt" / "global_step1" / "model.safetensors")).items()}
     for name, value in bf16.items():  # the masters round to the saved bf16 weights, and are finer
         assert torch.equal(state[name].bfloat16().float(), value), name
     assert any(not torch.equal(state[n], bf16[n]) for n in bf16)

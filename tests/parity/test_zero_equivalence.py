@@ -8,7 +8,6 @@ with several units, several reduce-scatters in flight and a stepped-in-pieces op
 from __future__ import annotations
 
 import pytest
-import torch
 
 import trident
 from trident.testing.distributed import cached_mesh, run_on_ranks

@@ -14,13 +14,13 @@ DeepSpeed's names: `get_fp32_state_dict_from_zero_checkpoint(dir, tag=None)` and
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from trident.checkpointing.state import MANIFEST, MODEL_FILE, CheckpointError, _verified, resolve_tag
+from trident.checkpointing.state import (MANIFEST, MODEL_FILE, CheckpointError, load_pickle, load_tensors,
+                                        read_manifest, resolve_tag)
 from trident.zero.partition import ShardedLayout
 
 
@@ -40,13 +40,6 @@ def checkpoint_folder(checkpoint_dir: str | Path, tag: str | None = None) -> Pat
     return folder
 
 
-def read_manifest(folder: Path) -> dict:
-    try:
-        return json.loads((folder / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{folder / MANIFEST}: unreadable ({err}); the checkpoint is damaged") from None
-
-
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: str | None = None
                                              ) -> dict[str, torch.Tensor]:
     """Every entry of the model's state dict, parameters in fp32, from a checkpoint on disk."""
@@ -56,16 +49,16 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: st
     if layout["tp"] != 1 or layout["pp"] != 1:
         raise CheckpointError(f"{folder}: written with tp={layout['tp']}, pp={layout['pp']}; this consolidation "
                               "reads data-parallel (ZeRO) checkpoints with tp=1 and pp=1")
-    state = dict(load_file(str(_verified(folder, manifest, MODEL_FILE))))
+    state = dict(load_tensors(folder, manifest, MODEL_FILE))
     stage = layout["zero_stage"]
     if stage == 0:
         state.update(_stage0_masters(folder, manifest))
     else:
         for dp in range(layout["dp"]):
             name = f"zero_pp0_tp0_dp{dp}.pt"
-            part = torch.load(_verified(folder, manifest, name), weights_only=False)
+            part = load_pickle(folder, manifest, name)
             _add_partition(state, part, dp, layout["dp"], name)
-        missing = [n for n, t in manifest["tensors"].items() if n not in state and n not in manifest["tied"]]
+        missing = [n for n, t in manifest["tensors"].items() if n not in state and n not in manifest.get("tied", {})]
         if missing:
             raise CheckpointError(f"{folder}: the partitions lack {', '.join(missing[:5])}; the checkpoint is "
                                   "incomplete")
@@ -75,7 +68,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: st
 
 
 def _stage0_masters(folder: Path, manifest: dict) -> dict[str, torch.Tensor]:
-    strategy = torch.load(_verified(folder, manifest, "optim_pp0_tp0.pt"), weights_only=False)
+    strategy = load_pickle(folder, manifest, "optim_pp0_tp0.pt")
     names, copies = strategy.get("names", []), strategy.get("master_params_are_copies", [])
     masters = iter(strategy.get("master_weights", []))
     return {name: next(masters) for name, is_copy in zip(names, copies) if is_copy}

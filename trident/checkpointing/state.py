@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from trident.comm import collectives
@@ -106,7 +105,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
         write(STATE_FILE, lambda path: torch.save(engine.training_state(), path))
         write(CLIENT_FILE, lambda path: torch.save(client_state, path))
     gathered: list = [None] * engine.mesh.world_size
-    dist.all_gather_object(gathered, (files, tensors), group=group)
+    collectives.all_gather_object(gathered, (files, tensors), group=group)
     if rank == 0:
         checksums = {name: digest for per_rank, _ in gathered for name, digest in per_rank.items()}
         entries: dict[str, dict] = {}
@@ -220,6 +219,50 @@ def _global_shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
+def read_manifest(folder: Path) -> dict:
+    """The manifest of a checkpoint folder, checked for the keys loading relies on."""
+    path = folder / MANIFEST
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing; {folder} is not a complete trident checkpoint")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: unreadable ({err}); the checkpoint is damaged, load another tag") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(manifest).__name__}; the checkpoint "
+                              "is damaged, load another tag")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format_version {version!r} is not one this trident reads (up to "
+                              f"{FORMAT_VERSION}); it was written by a newer trident: upgrade trident to load it")
+    for key, kind in (("files", dict), ("layout", dict), ("tensors", dict)):
+        if not isinstance(manifest.get(key), kind):
+            raise CheckpointError(f"{path}: the manifest has no valid '{key}' entry; the checkpoint is damaged, "
+                                  "load another tag")
+    for name, entry in manifest["files"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+            raise CheckpointError(f"{path}: the entry of file {name!r} has no sha256; the checkpoint is damaged")
+    return manifest
+
+
+def load_tensors(folder: Path, manifest: dict, name: str) -> dict[str, torch.Tensor]:
+    """A verified safetensors file of the checkpoint."""
+    path = _verified(folder, manifest, name)
+    try:
+        return load_file(str(path))
+    except Exception as err:  # safetensors raises its own error types for a malformed header
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err}); the checkpoint is damaged") from None
+
+
+def load_pickle(folder: Path, manifest: dict, name: str):
+    """A verified torch.save file of the checkpoint."""
+    path = _verified(folder, manifest, name)
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as err:  # unpickling errors come in many types
+        raise CheckpointError(f"{path}: not a readable torch file ({err}); the checkpoint is damaged") from None
+
+
 def _verified(folder: Path, manifest: dict, name: str) -> Path:
     path = folder / name
     entry = manifest["files"].get(name)
@@ -257,7 +300,13 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
     if tag is not None:
         return tag
     latest = Path(load_dir) / LATEST
-    return latest.read_text().strip() if latest.exists() else None
+    if not latest.exists():
+        return None
+    tag = latest.read_text().strip()
+    if not tag:
+        raise CheckpointError(f"{latest}: empty; it should name the newest checkpoint folder. Write that "
+                              "folder's name into it, or pass tag= explicitly")
+    return tag
 
 
 def load_checkpoint(engine, load_dir: str, tag: str | None, load_optimizer_states: bool,
@@ -269,9 +318,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None, load_optimizer_state
         return None, None
     folder = Path(load_dir) / tag
     manifest_path = folder / MANIFEST
-    if not manifest_path.exists():
-        raise CheckpointError(f"{manifest_path}: missing; {folder} is not a complete trident checkpoint")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = read_manifest(folder)
     stage = manifest["layout"].get("zero_stage", 0)
     if stage != engine.reducer.stage:
         raise CheckpointError(f"{manifest_path}: written under ZeRO stage {stage}, this engine runs stage "
@@ -284,31 +331,30 @@ def load_checkpoint(engine, load_dir: str, tag: str | None, load_optimizer_state
                               f"this engine has pp={engine.mesh.pp_size}, dp={engine.mesh.dp_size}, "
                               f"tp={engine.mesh.tp_size}. Load it under the layout it was written with, or "
                               "consolidate it (trident checkpoint consolidate) and load the weights")
-    state = load_file(str(_verified(folder, manifest, model_file(engine.mesh))))
+    state = load_tensors(folder, manifest, model_file(engine.mesh))
     for alias, name in manifest.get("tied", {}).items():
         if name in state:
             state[alias] = state[name]
     engine.module.load_state_dict(state, strict=stage != 3)
     partition = None
     if stage > 0:
-        partition = torch.load(_verified(folder, manifest, zero_file(engine.mesh)), weights_only=False)
+        partition = load_pickle(folder, manifest, zero_file(engine.mesh))
         engine.reducer.load_state_dict(partition, load_optimizer_states=False)  # the weights
     client_state: dict = {}
     if load_module_only:
         engine.reducer.reload_masters()
     else:
-        training = torch.load(_verified(folder, manifest, STATE_FILE), weights_only=False)
+        training = load_pickle(folder, manifest, STATE_FILE)
         engine.load_training_state(training, load_optimizer_states, load_lr_scheduler_states)
-        strategy_state = partition if stage > 0 else torch.load(
-            _verified(folder, manifest, optim_file(engine.mesh)), weights_only=False)
+        strategy_state = partition if stage > 0 else load_pickle(folder, manifest, optim_file(engine.mesh))
         if load_optimizer_states:
             engine.reducer.load_state_dict(strategy_state, load_optimizer_states=True)
         else:
             engine.reducer.reload_masters()
-        client_state = torch.load(_verified(folder, manifest, CLIENT_FILE), weights_only=False)
+        client_state = load_pickle(folder, manifest, CLIENT_FILE)
         rng_name = f"rng_rank{engine.mesh.mesh_rank}.pt"
         if rng_name in manifest["files"]:
-            _set_rng_state(torch.load(_verified(folder, manifest, rng_name), weights_only=False))
+            _set_rng_state(load_pickle(folder, manifest, rng_name))
     engine.reducer.zero_grad()
     collectives.barrier(group=engine.mesh.mesh_group)
     logger.info("loaded checkpoint %s (step %d)", folder, engine.global_steps)

@@ -116,7 +116,7 @@ class CSVMonitorConfig(Section):
 class DistributedConfig(Section):
     """Process-group settings (a trident section)."""
 
-    timeout_s: float = Field(1800.0, gt=0, description=(
+    timeout_s: float = Field(1800.0, gt=0, allow_inf_nan=False, description=(
         "Seconds a collective may wait for the other ranks before the job stops with an error."))
     hang_detector: bool = Field(True, description=(
         "Record every collective and point-to-point call (op, group, sequence number, shapes, call "

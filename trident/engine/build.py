@@ -216,7 +216,7 @@ def _make_loader(dataset, collate_fn, mesh: ParallelMesh, batch, cfg) -> torch.u
 
 
 def _log_startup(engine: Engine, device: torch.device) -> None:
-    cfg, b, mesh = engine.config, engine.batch, engine.mesh
+    b, mesh = engine.batch, engine.mesh
     n = engine.reducer.numel
     logger.info("mesh (pp x dp x tp = %d x %d x %d) on %s:\n%s", mesh.pp_size, mesh.dp_size,
                 mesh.tp_size, device, mesh.describe())

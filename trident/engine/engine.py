@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trident.comm import collectives
 from trident.comm.logger import CommsLogger
 from trident.config.batch import BatchSizes
 from trident.data_parallel.reducer import GradientReducer
@@ -218,7 +219,7 @@ class Engine(torch.nn.Module):
         any rank, then stop or skip the step as `numerics.on_nonfinite` says."""
         local = self.reducer.nonfinite_names()
         everywhere: list = [None] * self.mesh.world_size
-        dist.all_gather_object(everywhere, local, group=self.mesh.mesh_group)
+        collectives.all_gather_object(everywhere, local, group=self.mesh.mesh_group)
         bad = {n for names in everywhere for n in names}
         order = [n for n, _ in self.module.named_parameters()]
         first = next((n for n in order if n in bad), None)
@@ -309,7 +310,6 @@ class Engine(torch.nn.Module):
             else:
                 torch.save(state, tmp)
             os.replace(tmp, path)
-        from trident.comm import collectives
         collectives.barrier(group=self.mesh.mesh_group)
         return True
 

@@ -164,7 +164,7 @@ class PipelineEngine(Engine):
             return float(status[1])
         report = None if result.error is None else (result.failed_at, self.stage_id, mesh.global_rank, result.error)
         reports: list = [None] * mesh.world_size
-        dist.all_gather_object(reports, report, group=mesh.mesh_group)
+        collectives.all_gather_object(reports, report, group=mesh.mesh_group)
         failed = sorted(r for r in reports if r is not None)
         _, stage, rank, error = failed[0]
         others = "".join(f"\n(stage {s}, global rank {r} failed too: {e.splitlines()[0]})" for _, s, r, e in failed[1:])

@@ -24,7 +24,6 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from trident.comm import collectives
 from trident.comm.logger import CommsLogger
