@@ -91,3 +91,17 @@ def test_train_reports_a_bad_config_once(tmp_path):
     proc = subprocess.run(TRIDENT + ["train", "--config", str(bad)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.count("fp16.enabeld") == 1 and "did you mean 'enabled'" in proc.stderr
+
+
+def test_keep_going_lets_the_other_ranks_finish(tmp_path):
+    """--keep-going: rank 1 dies at once, ranks 0 and 2 still run to the end; the job still fails."""
+    script = tmp_path / "lone.py"
+    script.write_text("import os, sys\n"
+                      "rank = int(os.environ['RANK'])\n"
+                      "if rank == 1:\n    sys.exit(3)\n"
+                      "print(f\"RESULT rank={rank} world={os.environ['WORLD_SIZE']} END\", flush=True)\n")
+    proc = subprocess.run(TRIDENT + ["launch", "--keep-going", "--nproc", "3", str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert sorted(_results(proc.stdout)) == [0, 2]
+    assert "1 of 3 rank(s) failed: rank 1 (exit code 3)" in proc.stderr

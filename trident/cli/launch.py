@@ -18,6 +18,8 @@ import argparse
 import importlib.util
 import os
 import signal
+import socket
+import subprocess
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -37,6 +39,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the whole group this many times after a worker fails")
     parser.add_argument("--log-dir", default=None, help="where torchrun keeps per-rank logs")
+    parser.add_argument("--keep-going", action="store_true", help=(
+        "one node only: start the ranks directly instead of under torchrun's agent, so a rank that "
+        "dies does not stop the others (asynchronous parameter servers drop a lost worker and go "
+        "on); the exit code is still non-zero if any rank failed"))
 
 
 def add_parser(subparsers) -> None:
@@ -135,10 +141,43 @@ def first_failure(failures: dict[int, ProcessFailure]) -> tuple[int, str]:
     return rank, entries[rank].get("error") or _message(failures[rank]) or f"exit code {failures[rank].exitcode}"
 
 
+def launch_keep_going(args: argparse.Namespace, target: list[str], module: bool) -> int:
+    """`--keep-going`: the ranks as plain child processes with torchrun's environment variables,
+    each left to finish whatever happens to the others; returns 1 if any rank failed."""
+    if args.nnodes != 1 or args.max_restarts:
+        raise SystemExit("trident launch: --keep-going runs one node without restarts; drop --nnodes / "
+                         "--max-restarts, or drop --keep-going")
+    port = args.master_port or _free_port()
+    command = [sys.executable, "-m", *target] if module else [sys.executable, *target]
+    procs = []
+    for rank in range(args.nproc):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
+                   LOCAL_WORLD_SIZE=str(args.nproc), GROUP_RANK="0", MASTER_ADDR=args.master_addr,
+                   MASTER_PORT=str(port))
+        env.setdefault("OMP_NUM_THREADS", "1")
+        procs.append(subprocess.Popen(command, env=env))
+    codes = [p.wait() for p in procs]
+    failed = [(rank, code) for rank, code in enumerate(codes) if code != 0]
+    if failed:
+        listed = ", ".join(f"rank {r} (exit code {c})" for r, c in failed)
+        print(f"\ntrident launch: {len(failed)} of {args.nproc} rank(s) failed: {listed}; the others ran to "
+              "the end (--keep-going)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch(args: argparse.Namespace, target: list[str], module: bool) -> int:
     """Run `target` under torchrun; returns the exit code (non-zero if any rank failed)."""
     validate(args)
     _check_target(target, module)
+    if getattr(args, "keep_going", False):
+        return launch_keep_going(args, target, module)
     parsed = torchrun_parser().parse_args(torchrun_argv(args, target, module))
     # torchrun's agent otherwise shares one store across restarts, and the workers of a
     # restarted group can read the previous group's stale gloo addresses and refuse to start;
