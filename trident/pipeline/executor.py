@@ -8,7 +8,8 @@ What crosses the wire, between neighbouring virtual stages (`instructions` expla
 Activations and gradients use two process groups over the same ranks, so each channel is
 first-in-first-out on its own and the schedules keep every channel's sends and receives in the
 same order on both ends (the simulator checks it). A run of adjacent transfer instructions is
-posted as one `batch_isend_irecv` per channel; the stage then waits for its receives only.
+posted together through trident.comm.p2p (each recorded by the hang detector); the stage then
+waits for its receives only.
 Sends are waited for at the end of the step, so a stage never blocks on a peer that is
 itself waiting: this is the execution model under which `simulate` proves a schedule
 deadlock-free. After each batch the next receive of each channel is posted ahead of time, so
@@ -42,7 +43,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from trident.comm.collectives import to_global_rank
+from trident.comm import p2p
+from trident.comm.collectives import Handle
 from trident.pipeline.instructions import (
     COMM,
     RECVS,
@@ -157,12 +159,12 @@ class StageExecutor:
         self._grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._stores: dict[tuple[int, int], WeightGradStore] = {}
         self._losses: list[torch.Tensor] = []
-        self._inflight: list[dist.Work] = []  # sends, waited at the end of the run
+        self._inflight: list[Handle] = []  # sends, waited at the end of the run
         self._keep: list[Any] = []  # tensors being sent
         self._posted: set[Instruction] = set()
         self._upcoming = {kind: deque(i for i in program if isinstance(i, RECVS) and channel_kind(i) == kind)
                           for kind in ("act", "grad")}  # each channel's receives, in program order
-        self._early: dict[Instruction, tuple[list[torch.Tensor], dist.Work]] = {}  # posted ahead
+        self._early: dict[Instruction, tuple[list[torch.Tensor], list[Handle]]] = {}  # posted ahead
 
     def _note(self, item: Instruction | tuple, t0: float) -> None:
         if self.record:
@@ -267,7 +269,7 @@ class StageExecutor:
         sends = [i for i in todo if not isinstance(i, RECVS)]
         for instr in sends:
             for t in self._send_tensors(instr, drain):
-                ops[channel_kind(instr)].append(self._op(dist.isend, t, instr))
+                ops[channel_kind(instr)].append(self._op("send", t, instr))
         recvs = [i for i in todo if isinstance(i, RECVS)]
         if any(isinstance(i, RecvActivation) and i.chunk not in self._recv_meta for i in recvs):
             self._post(ops, sends)  # peers may wait on these before they send us the metadata
@@ -278,7 +280,7 @@ class StageExecutor:
         buffers = {}
         for instr in recvs:
             buffers[instr] = self._recv_buffers(instr)
-            ops[channel_kind(instr)] += [self._op(dist.irecv, b, instr) for b in buffers[instr]]
+            ops[channel_kind(instr)] += [self._op("recv", b, instr) for b in buffers[instr]]
         waits = self._post(ops, sends + recvs)
         for instr in (i for i in batch if i in self._early):
             buffers[instr], works = self._early.pop(instr)
@@ -302,23 +304,27 @@ class StageExecutor:
             known = self._recv_meta if isinstance(instr, RecvActivation) else self._sent_meta
             if instr.chunk in known:
                 bufs = self._recv_buffers(instr)
-                ops = {channel_kind(instr): [self._op(dist.irecv, b, instr) for b in bufs]}
+                ops = {channel_kind(instr): [self._op("recv", b, instr) for b in bufs]}
                 self._early[instr] = (bufs, self._post(ops, [instr]))
 
-    def _op(self, fn, tensor: torch.Tensor, instr: MicroInstruction) -> dist.P2POp:
-        kind = channel_kind(instr)
-        other = to_global_rank(self.groups[kind], peer(instr, self.stage, self.stages)[0], "peer")
-        return dist.P2POp(fn, tensor, other, self.groups[kind])
+    def _op(self, kind: str, tensor: torch.Tensor, instr: MicroInstruction) -> tuple:
+        """One transfer of `instr`'s channel: ("send" | "recv", tensor, group-local peer, group)."""
+        channel = channel_kind(instr)
+        return kind, tensor, peer(instr, self.stage, self.stages)[0], self.groups[channel]
 
-    def _post(self, ops: dict[str, list], instrs: Sequence[Instruction]) -> list[dist.Work]:
-        """Issue the ops, one batch per channel; returns the receive works (sends are kept)."""
+    def _issue(self, op: tuple) -> Handle:
+        """Start one transfer through trident.comm.p2p (so the hang detector records it)."""
+        kind, tensor, other, group = op
+        start = p2p.isend if kind == "send" else p2p.irecv
+        return start(tensor, other, group=group)
+
+    def _post(self, ops: dict[str, list], instrs: Sequence[Instruction]) -> list[Handle]:
+        """Issue every op at once (all posted before any wait, so no order deadlocks); returns
+        the receive handles (sends are kept and waited at the end of the run)."""
         recv_works = []
         for kind_ops in ops.values():
-            if kind_ops:
-                works = dist.batch_isend_irecv(kind_ops)
-                for op, work in zip(kind_ops, works):
-                    # gloo's recv work waits for a new message on every wait(): wait it exactly once
-                    (recv_works if op.op is dist.irecv else self._inflight).append(work)
+            for op in kind_ops:
+                (recv_works if op[0] == "recv" else self._inflight).append(self._issue(op))
         self._posted.update(instrs)
         return recv_works
 
@@ -358,14 +364,14 @@ class StageExecutor:
         payload = torch.tensor(body, dtype=torch.int64, device=self.device)
         self._keep.append((header, payload))
         for t in (header, payload):
-            self._inflight.append(dist.batch_isend_irecv([self._op(dist.isend, t, instr)])[0])
+            self._inflight.append(self._issue(self._op("send", t, instr)))
         self._sent_meta[instr.chunk] = meta
 
     def _receive_meta(self, instr: RecvActivation) -> Meta:
         header = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.batch_isend_irecv([self._op(dist.irecv, header, instr)])[0].wait()
+        self._issue(self._op("recv", header, instr)).wait()
         body = torch.empty(int(header.item()), dtype=torch.int64, device=self.device)
-        dist.batch_isend_irecv([self._op(dist.irecv, body, instr)])[0].wait()
+        self._issue(self._op("recv", body, instr)).wait()
         values, meta, pos = body.tolist(), [], 1
         for _ in range(values[0]):
             ndim = values[pos + 1]
