@@ -238,3 +238,9 @@ def test_deepspeed_aliases_and_float_counts_in_zero():
     z = cfg.zero_optimization
     assert (z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold, z.reduce_bucket_size) == \
         (20_000_000, 10_000, 500_000_000)
+
+
+def test_pipeline_micro_batches_stand_for_gradient_accumulation():
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "pipeline": {"stages": 2, "micro_batches": 8}})
+    assert resolve_batch(cfg, 3) == resolve_batch(load_config(
+        {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8}), 3)

@@ -33,8 +33,7 @@ def resolve_batch(cfg: TridentConfig, dp_size: int) -> BatchSizes:
     """Fill in the missing sizes for `dp_size` data-parallel ranks; contradictions raise ConfigError."""
     if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
         raise ValueError(f"dp_size must be a positive integer, got {dp_size!r}")
-    sizes, issues = _resolve(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
-                             cfg.gradient_accumulation_steps, dp_size)
+    sizes, issues = _resolve(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, _gas(cfg), dp_size)
     if issues:
         raise ConfigError(issues)
     return sizes
@@ -42,7 +41,7 @@ def resolve_batch(cfg: TridentConfig, dp_size: int) -> BatchSizes:
 
 def batch_issues(cfg: TridentConfig, dp_size: int | None = None) -> list[ConfigIssue]:
     """The batch problems of a config; without `dp_size`, only those that no dp size can fix."""
-    tb, mb, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    tb, mb, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, _gas(cfg)
     if dp_size is not None:
         return _resolve(tb, mb, gas, dp_size)[1]
     if tb is None and mb is None:
@@ -52,6 +51,14 @@ def batch_issues(cfg: TridentConfig, dp_size: int | None = None) -> list[ConfigI
         return [ConfigIssue(TB, f"{tb} is not a multiple of {_given(mb, gas)} = {per_rank}, so no data-parallel "
                                 "size fits (train_batch_size = micro x accumulation x dp); change one of them")]
     return []
+
+
+def _gas(cfg: TridentConfig) -> int | None:
+    """gradient_accumulation_steps, or pipeline.micro_batches when only that is given (under
+    pipelining the micro-batches are the accumulation steps)."""
+    if cfg.gradient_accumulation_steps is None and cfg.pipeline.micro_batches is not None:
+        return cfg.pipeline.micro_batches
+    return cfg.gradient_accumulation_steps
 
 
 def _given(mb: int | None, gas: int | None) -> str:
