@@ -33,6 +33,10 @@ from trident.comm import collectives
 
 _Key = tuple[int, int]  # (partition group position, unit index)
 
+_COALESCE_BELOW = 1 << 16
+"""Units with fewer elements are gathered together in one collective (latency-bound); larger
+ones each get their own, straight into their buffer (bandwidth-bound, and no extra copy)."""
+
 
 def module_units(model: torch.nn.Module) -> tuple[list[list[torch.nn.Parameter]], dict]:
     """Units of the model: each module's directly owned parameters, a shared parameter going to
@@ -91,12 +95,19 @@ class Stage3Coordinator:
         return sum(t.numel() for t in self.full.values()) + sum(self.numel(k) for k in self.pending)
 
     def _launch(self, keys: list[_Key]) -> None:
-        """Start gathering units: one all-gather for all of them (their shards side by side,
-        so rank r's row of the result holds its shards; each unit is then copied out whole),
-        or straight into the unit's buffer when there is only one."""
+        """Start gathering units. Large units are gathered straight into their own buffers (no
+        copy); small ones together with one all-gather (their shards side by side, so rank r's
+        row of the result holds its shards; each unit is then copied out whole), which saves
+        the per-call latency that dominates for layer norms and biases."""
         keys = [k for k in dict.fromkeys(keys) if k not in self.full and k not in self.pending]
-        if not keys:
-            return
+        small = [k for k in keys if self.numel(k) < _COALESCE_BELOW]
+        for key in keys:
+            if key not in small:
+                self._launch_batch([key])
+        if small:
+            self._launch_batch(small)
+
+    def _launch_batch(self, keys: list[_Key]) -> None:
         shards = []
         for key in keys:
             pg, unit = self.units[key]
