@@ -7,7 +7,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.trident-installed
 
-.PHONY: demo test bench install clean
+BENCH_VENV ?= .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.deepspeed-installed
+
+.PHONY: demo test bench bench-zero install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,5 +30,20 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/dp_vs_ddp.py
 
+# DeepSpeed lives in a venv of its own (bench/README.md, "DeepSpeed on CPU with gloo"): torch is
+# installed first and pinned, so the DeepSpeed install can never pull a CUDA build.
+$(BENCH_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip setuptools wheel
+	$(BENCH_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	echo "$(TORCH_SPEC)" > $(BENCH_VENV)/constraints.txt
+	DS_BUILD_OPS=0 PIP_CONSTRAINT=$(BENCH_VENV)/constraints.txt \
+		$(BENCH_VENV)/bin/pip install --quiet --no-build-isolation "deepspeed==0.19.*"
+	PIP_CONSTRAINT=$(BENCH_VENV)/constraints.txt $(BENCH_VENV)/bin/pip install --quiet -e .
+	touch $(BENCH_STAMP)
+
+bench-zero: $(BENCH_STAMP)
+	$(BENCH_VENV)/bin/python bench/zero_vs_peers.py
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache
