@@ -5,8 +5,7 @@ consolidate`, `engine.load_checkpoint` on a one-rank gloo pool, the `trident` co
 `trident verify`'s model loading) and checks that it fails with trident's own error (or a
 command-line error and exit status), that the message contains the given text (which names
 the offending key, file or argument), and that it is one paragraph: no traceback, no blank
-line, at most 12 lines. Cases marked xfail are known gaps in other modules, named in the
-reason; strict, so fixing one makes its marker fail until it is removed.
+line, at most 12 lines.
 """
 
 from __future__ import annotations
@@ -32,8 +31,6 @@ from trident.diagnostics.verify import VerifyError, _build, load_factory
 from trident.testing.distributed import run_on_ranks
 
 USER_ERRORS = (ConfigError, CheckpointError, VerifyError)
-CKPT_GAP = "trident/checkpointing/state.py (and consolidate.py): validate the manifest's JSON and keys and " \
-           "wrap unreadable files in CheckpointError"
 
 
 def outcome(call: Callable[[], object]) -> tuple[str, str]:
@@ -163,19 +160,9 @@ def _replace(tag: Path, name: str, content: bytes) -> None:
     _manifest(tag, lambda m: m["files"][name].update(sha256=hashlib.sha256(content).hexdigest()))
 
 
-GAP = "gap"            # both entry points fail this case today
-LOAD_GAP = "load gap"  # only engine.load_checkpoint does
-
-
-def _cases(entry: str) -> list:
-    """CHECKPOINTS for `entry` ("consolidate" or "load"), with the known gaps marked xfail."""
-    out = []
-    for case in CHECKPOINTS:
-        gap = case[3] if len(case) > 3 else None
-        marks = [pytest.mark.xfail(strict=True, reason=CKPT_GAP)] if gap == GAP or (
-            gap == LOAD_GAP and entry == "load") else []
-        out.append(pytest.param(*case[:3], marks=marks, id=case[0]))
-    return out
+def _cases() -> list:
+    """CHECKPOINTS as pytest params named by their first field."""
+    return [pytest.param(*case, id=case[0]) for case in CHECKPOINTS]
 
 
 CHECKPOINTS = [
@@ -205,7 +192,7 @@ def _broken_copy(base: Path, tmp_path: Path, damage) -> Path:
     return root
 
 
-@pytest.mark.parametrize("name,damage,expected", _cases("consolidate"))
+@pytest.mark.parametrize("name,damage,expected", _cases())
 def test_malformed_checkpoint_consolidate(base_checkpoint, tmp_path, name, damage, expected):
     from trident.checkpointing.consolidate import consolidate
 
@@ -213,7 +200,7 @@ def test_malformed_checkpoint_consolidate(base_checkpoint, tmp_path, name, damag
     assert_one_paragraph(*outcome(lambda: consolidate(str(root), str(tmp_path / "out.safetensors"))), expected)
 
 
-@pytest.mark.parametrize("name,damage,expected", _cases("load"))
+@pytest.mark.parametrize("name,damage,expected", _cases())
 def test_malformed_checkpoint_load(base_checkpoint, tmp_path, name, damage, expected):
     root = _broken_copy(base_checkpoint, tmp_path, damage)
     (kind, text), = run_on_ranks(1, load_into_engine, str(root))
