@@ -9,6 +9,7 @@ overflow steps included, as DeepSpeed counts them).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -185,12 +186,14 @@ class Engine(torch.nn.Module):
 
     def _take_model_step(self) -> None:
         # The strategy (stage 0's reducer and masters, or ZeRO's partitions) says which gradient
-        # tensors this rank holds and over which groups they differ; the checks below are one
-        # pass over those tensors plus one all-reduce per group.
+        # tensors this rank holds and over which groups they differ. One pass over them and one
+        # all-reduce per group give the global norm; an inf or NaN anywhere makes it non-finite
+        # on every rank, which is the overflow check too.
         extra = self._grad_split_groups()
         parts = [(tensors, tuple(groups) + tuple(extra)) for tensors, groups in self.reducer.grad_parts()]
         scale = self.loss_scale
-        overflow = grad_ops.has_overflow_parts(parts)
+        norm = grad_ops.global_norm_parts(parts) / scale
+        overflow = not math.isfinite(norm)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)
         elif overflow:
@@ -203,7 +206,6 @@ class Engine(torch.nn.Module):
                 logger.warning("step %d: fp16 gradient overflow, step skipped; loss scale now %g",
                                self.global_steps + 1, self.loss_scale)
         else:
-            norm = grad_ops.global_norm_parts(parts) / scale
             self._global_grad_norm = norm
             coef = 1.0 / scale
             clip = self.config.gradient_clipping
