@@ -66,21 +66,25 @@ def train_dp(micro: int, gas: int, clip: float, precision: str = "fp32"):
     """Runs on every rank: trident data parallel over the whole world."""
     mesh = cached_mesh()
     engine, _, _, _ = trident.initialize(model=make_model(), config=config(micro, gas, clip, precision), mesh=mesh)
-    dp, rank = mesh.dp_size, mesh.dp_rank
-    global_batch = micro * gas * dp
+    losses = train_steps(engine, mesh, micro, gas)
+    weights = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    return losses, weights
+
+
+def train_steps(engine, mesh, micro: int, gas: int) -> list[float]:
+    """STEPS optimizer steps on this rank's share of each global batch; the per-step losses."""
+    global_batch = micro * gas * mesh.dp_size
     data = make_tokens(global_batch)
     losses = []
     for step in range(STEPS):
         for k in range(gas):
-            start = step * global_batch + (rank * gas + k) * micro
+            start = step * global_batch + (mesh.dp_rank * gas + k) * micro
             batch = data[start:start + micro]
-            loss = engine(batch[:, :-1], batch[:, 1:])
-            engine.backward(loss)
+            engine.backward(engine(batch[:, :-1], batch[:, 1:]))
             engine.step()
         losses.append(engine.last_loss)
     assert engine.global_steps == STEPS
-    weights = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
-    return losses, weights
+    return losses
 
 
 def mean_losses(results) -> list[float]:

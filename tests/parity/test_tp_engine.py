@@ -11,7 +11,7 @@ import trident
 from trident.tensor_parallel import merge_state_dicts, shard_specs
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import assert_losses_close, assert_state_close
-from tests.parity.test_dp_equivalence import LR, STEPS, make_model, make_tokens, mean_losses, serial_reference
+from tests.parity.test_dp_equivalence import LR, make_model, mean_losses, serial_reference, train_steps
 
 
 class PlainMLP(nn.Module):
@@ -63,15 +63,7 @@ def train_gpt(tp: int, stage: int, micro: int, clip: float, sequence_parallel: b
            "tensor_parallel": {"size": tp, "sequence_parallel": sequence_parallel},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}
     engine, *_ = trident.initialize(model=make_model(), config=cfg, mesh=mesh)
-    dp, rank = mesh.dp_size, mesh.dp_rank
-    global_batch = micro * dp
-    data = make_tokens(global_batch)
-    losses = []
-    for step in range(STEPS):
-        batch = data[step * global_batch + rank * micro:step * global_batch + (rank + 1) * micro]
-        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
-        engine.step()
-        losses.append(engine.last_loss)
+    losses = train_steps(engine, mesh, micro, 1)
     return losses, {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}, \
         shard_specs(engine.module), mesh.dp_rank, mesh.tp_rank
 

@@ -12,7 +12,7 @@ import pytest
 import trident
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import assert_losses_close, assert_state_close
-from tests.parity.test_dp_equivalence import STEPS, make_model, make_tokens, mean_losses, serial_reference, LR
+from tests.parity.test_dp_equivalence import LR, make_model, mean_losses, serial_reference, train_steps
 
 
 def zero_config(stage: int, micro: int, gas: int, clip: float, **zero) -> dict:
@@ -32,18 +32,7 @@ def train_zero(stage: int, micro: int, gas: int, clip: float, zero: dict):
     mesh = cached_mesh()
     engine, _, _, _ = trident.initialize(model=make_model(), config=zero_config(stage, micro, gas, clip, **zero),
                                          mesh=mesh)
-    dp, rank = mesh.dp_size, mesh.dp_rank
-    global_batch = micro * gas * dp
-    data = make_tokens(global_batch)
-    losses = []
-    for step in range(STEPS):
-        for k in range(gas):
-            start = step * global_batch + (rank * gas + k) * micro
-            batch = data[start:start + micro]
-            loss = engine(batch[:, :-1], batch[:, 1:])
-            engine.backward(loss)
-            engine.step()
-        losses.append(engine.last_loss)
+    losses = train_steps(engine, mesh, micro, gas)
     weights = {k: v.float() for k, v in engine.consolidated_state_dict().items()}
     return losses, weights
 
