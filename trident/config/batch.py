@@ -29,6 +29,26 @@ class BatchSizes:
                 f"{self.gradient_accumulation_steps} x data-parallel size {dp_size}")
 
 
+class BatchGetters:
+    """DeepSpeed's batch getters for an engine that has `batch: BatchSizes` and counts
+    `micro_steps` (the collective engine and the parameter-server worker share them)."""
+
+    batch: BatchSizes
+    micro_steps: int
+
+    def train_batch_size(self) -> int:
+        return self.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+
 def resolve_batch(cfg: TridentConfig, dp_size: int) -> BatchSizes:
     """Fill in the missing sizes for `dp_size` data-parallel ranks; contradictions raise ConfigError."""
     if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:

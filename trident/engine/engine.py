@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from trident.comm import collectives
 from trident.comm.logger import CommsLogger
-from trident.config.batch import BatchSizes
+from trident.config.batch import BatchGetters, BatchSizes
 from trident.data_parallel.reducer import GradientReducer
 from trident.engine import grads as grad_ops
 from trident.engine.timers import Timers
@@ -26,7 +26,7 @@ from trident.parallel.mesh import ParallelMesh
 from trident.precision.mixed import MasterWeights
 
 
-class Engine(torch.nn.Module):
+class Engine(BatchGetters, torch.nn.Module):
     """What `trident.initialize` returns; call it like the model, then backward and step."""
 
     def __init__(
@@ -88,15 +88,6 @@ class Engine(torch.nn.Module):
     def dp_world_size(self) -> int:
         return self.mesh.dp_size
 
-    def train_batch_size(self) -> int:
-        return self.batch.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.batch.micro_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.batch.gradient_accumulation_steps
-
     @property
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
@@ -107,9 +98,6 @@ class Engine(torch.nn.Module):
     def get_global_grad_norm(self) -> float | None:
         """Norm of the averaged gradient at the last optimizer step, before clipping."""
         return self._global_grad_norm
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
 
     # -- training --------------------------------------------------------------------------
 

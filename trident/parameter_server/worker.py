@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from trident.config import TridentConfig
-from trident.config.batch import BatchSizes
+from trident.config.batch import BatchGetters, BatchSizes
 from trident.monitor.log import logger
 from trident.monitor.writers import Monitors
 from trident.parameter_server import checkpoint as ckpt
@@ -51,7 +51,7 @@ class Held:
     clock: int
 
 
-class WorkerEngine(torch.nn.Module):
+class WorkerEngine(BatchGetters, torch.nn.Module):
     """What `trident.initialize` returns on a worker rank under `parameter_server`."""
 
     def __init__(self, module: torch.nn.Module, config: TridentConfig, layout: PSLayout, batch: BatchSizes,
@@ -112,15 +112,6 @@ class WorkerEngine(torch.nn.Module):
     def dp_world_size(self) -> int:
         return self.layout.workers
 
-    def train_batch_size(self) -> int:
-        return self.batch.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.batch.micro_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.batch.gradient_accumulation_steps
-
     @property
     def loss_scale(self) -> float:
         return 1.0
@@ -138,9 +129,6 @@ class WorkerEngine(torch.nn.Module):
     def server_version(self) -> int:
         """The oldest shard version among the parameters this worker holds."""
         return min(h.version for h in self.held)
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
 
     def comm_bytes(self) -> dict[str, int]:
         """Bytes this worker has sent to and received from the servers."""
