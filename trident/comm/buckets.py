@@ -4,7 +4,8 @@ One contiguous fp32 buffer holds every gradient; each parameter's gradient is a 
 Contiguity is what makes bucketed reduction cheap: a bucket is a slice of the buffer, reduced
 with one collective, with no packing or unpacking copies. Parameters are laid out in reverse
 registration order because backward produces the last layers' gradients first, so the first
-bucket fills first and its reduction overlaps with the rest of backward.
+bucket fills first and its reduction overlaps with the rest of backward. `GradScaling` is the
+averaging every bucketed reduction applies (stage 0's all-reduce and ZeRO's reduce-scatter).
 """
 
 from __future__ import annotations
@@ -70,3 +71,21 @@ class FlatBuffer:
 
     def zero_(self) -> None:
         self.data.zero_()
+
+
+class GradScaling:
+    """DeepSpeed's averaging over the dp group: divide by N before the sum (prescale), or by a
+    predivide factor before and by N / factor after (keeps fp16 sums in range)."""
+
+    def __init__(self, dp_size: int, predivide_factor: float, prescale: bool) -> None:
+        self.n, self.factor, self.prescale = dp_size, predivide_factor, prescale
+
+    def before(self, t: torch.Tensor) -> None:
+        if self.prescale:
+            t.div_(self.n)
+        elif self.factor != 1.0:
+            t.mul_(1.0 / self.factor)
+
+    def after(self, t: torch.Tensor) -> None:
+        if not self.prescale and self.factor != self.n:
+            t.mul_(self.factor / self.n)

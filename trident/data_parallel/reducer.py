@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from trident.comm import collectives
-from trident.comm.buckets import Bucket, FlatBuffer, plan_buckets
+from trident.comm.buckets import Bucket, FlatBuffer, GradScaling, plan_buckets
 from trident.comm.logger import CommsLogger
 
 
@@ -54,8 +54,7 @@ class GradientReducer:
         self.group = group
         self.dp_size = dist.get_world_size(group)
         self.overlap_comm = overlap_comm
-        self.predivide_factor = predivide_factor
-        self.prescale_gradients = prescale_gradients
+        self.scaling = GradScaling(self.dp_size, predivide_factor, prescale_gradients)
         self.logger = logger
         offsets, self.buckets = plan_buckets([p.numel() for p in params], bucket_size)
         device = params[0].device if params else torch.device("cpu")
@@ -110,10 +109,7 @@ class GradientReducer:
 
     def _launch(self, bucket: Bucket) -> None:
         data = self.buffer.slice(bucket.start, bucket.end)
-        if self.prescale_gradients:
-            data.div_(self.dp_size)
-        elif self.predivide_factor != 1.0:
-            data.mul_(1.0 / self.predivide_factor)
+        self.scaling.before(data)
         handle = collectives.all_reduce(data, group=self.group, async_op=True, logger=self.logger)
         self._handles.append((bucket, handle))
         self._next_launch += 1
@@ -140,8 +136,7 @@ class GradientReducer:
             self._launch(self.buckets[self._next_launch])
         for bucket, handle in self._handles:
             handle.wait()
-            if not self.prescale_gradients and self.predivide_factor != self.dp_size:
-                self.buffer.slice(bucket.start, bucket.end).mul_(self.predivide_factor / self.dp_size)
+            self.scaling.after(self.buffer.slice(bucket.start, bucket.end))
         self._handles = []
         self._sync = False
 

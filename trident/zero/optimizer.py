@@ -28,7 +28,8 @@ import torch
 from trident.comm import collectives
 from trident.comm.logger import CommsLogger
 from trident.zero.partition import ShardedLayout, bucketed_groups, layout_from_groups, round_robin_order
-from trident.zero.stage1 import FullGradients, GradScaling
+from trident.comm.buckets import GradScaling
+from trident.zero.stage1 import FullGradients
 from trident.zero.stage2 import ShardedGradients
 from trident.zero.stage3 import Stage3Coordinator, build_partition, module_units
 

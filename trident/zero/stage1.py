@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from trident.comm import collectives
+from trident.comm.buckets import GradScaling
 from trident.comm.logger import CommsLogger
 from trident.zero.partition import ShardedLayout
 
@@ -28,7 +29,7 @@ class FullGradients:
 
     def __init__(self, params: list[torch.nn.Parameter], layout: ShardedLayout, unit_starts: list[int],
                  group: dist.ProcessGroup, rank: int, dtype: torch.dtype, overlap_comm: bool,
-                 reduce_scatter: bool, scaling: "GradScaling", logger: CommsLogger | None) -> None:
+                 reduce_scatter: bool, scaling: GradScaling, logger: CommsLogger | None) -> None:
         self.params, self.layout, self.unit_starts = params, layout, unit_starts
         self.group, self.rank = group, rank
         self.overlap_comm, self.use_reduce_scatter = overlap_comm, reduce_scatter
@@ -119,20 +120,3 @@ class FullGradients:
         for p in self.params:
             p.grad = None  # autograd hands over a fresh gradient instead of adding to a stale one
 
-
-class GradScaling:
-    """DeepSpeed's averaging over the dp group: divide by N before the sum (prescale), or by a
-    predivide factor before and by N / factor after (keeps fp16 sums in range)."""
-
-    def __init__(self, dp_size: int, predivide_factor: float, prescale: bool) -> None:
-        self.n, self.factor, self.prescale = dp_size, predivide_factor, prescale
-
-    def before(self, t: torch.Tensor) -> None:
-        if self.prescale:
-            t.div_(self.n)
-        elif self.factor != 1.0:
-            t.mul_(1.0 / self.factor)
-
-    def after(self, t: torch.Tensor) -> None:
-        if not self.prescale and self.factor != self.n:
-            t.mul_(self.factor / self.n)

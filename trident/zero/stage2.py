@@ -28,7 +28,7 @@ import torch.distributed as dist
 from trident.comm import collectives
 from trident.comm.logger import CommsLogger
 from trident.zero.partition import ShardedLayout, Unit
-from trident.zero.stage1 import GradScaling
+from trident.comm.buckets import GradScaling
 
 
 class ShardedGradients:
