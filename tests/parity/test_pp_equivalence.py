@@ -144,3 +144,9 @@ def test_pp2_dp2_matches_serial(schedule, zero_stage):
 def test_pp2_tp2_matches_serial():
     """Each stage's attention and MLP split over 2 tensor-parallel ranks; embeddings replicated."""
     check(run_on_ranks(4, train_pp, 2, "1f1b", 1, 4, 0.05, 0, 2), MICRO * 4, 0.05)
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_single_stage_pipeline_with_zero_2_and_3_matches_serial(zero_stage):
+    """A PipelineModule on one stage takes every ZeRO stage (layouts may change pp between runs)."""
+    check(run_on_ranks(2, train_pp, 1, "1f1b", 1, 2, 0.05, zero_stage), MICRO * 2 * 2, 0.05)

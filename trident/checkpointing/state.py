@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from trident.comm import collectives
 from trident.monitor.log import logger
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "training_state.pt"
@@ -47,7 +47,8 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt; the message names the file."""
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """The file's sha256 (hex), read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -90,7 +91,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
 
     def write(name: str, save) -> None:
         save(partial / name)
-        files[name] = _sha256(partial / name)
+        files[name] = sha256_of(partial / name)
 
     write(f"rng_rank{rank}.pt", lambda path: torch.save(_rng_state(), path))
     if zero:  # every rank: its own partition
@@ -105,14 +106,16 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
         write(STATE_FILE, lambda path: torch.save(engine.training_state(), path))
         write(CLIENT_FILE, lambda path: torch.save(client_state, path))
     gathered: list = [None] * engine.mesh.world_size
-    collectives.all_gather_object(gathered, (files, tensors), group=group)
+    collectives.all_gather_object(gathered, (files, tensors, tied_names(engine.module)), group=group)
     if rank == 0:
-        checksums = {name: digest for per_rank, _ in gathered for name, digest in per_rank.items()}
+        checksums = {name: digest for per_rank, _, _ in gathered for name, digest in per_rank.items()}
         entries: dict[str, dict] = {}
-        for _, per_rank in gathered:
+        tied: dict[str, str] = {}
+        for _, per_rank, tied_here in gathered:
+            tied.update(tied_here)
             for name, entry in per_rank.items():
                 entries.setdefault(name, {**entry, "shards": []})["shards"] += entry["shards"]
-        _write_manifest(engine, partial, tag, checksums, entries)
+        _write_manifest(engine, partial, tag, checksums, entries, tied)
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -175,12 +178,12 @@ def _tensor_entries(engine, file: str) -> dict[str, dict]:
     mesh = engine.mesh
     out = {}
     for name, t in engine.module.state_dict(keep_vars=True).items():
-        local = list(_global_shape(t))
+        local = list(global_shape(t))
         shape = list(local)
         spec = getattr(t, "tp_spec", None) if getattr(t, "tensor_model_parallel", False) else None
         sl = [[0, n] for n in local]
         entry = {"global_shape": shape, "dtype": str(t.dtype).replace("torch.", "")}
-        if spec is not None and mesh.tp_size > 1:
+        if spec is not None:
             # Rank r holds rows [r * local, (r + 1) * local) of each of `stride` fused blocks of the
             # (padded) dim; the padding rows past full_size are not part of the global tensor.
             shape[spec.dim] = spec.full_size
@@ -192,7 +195,8 @@ def _tensor_entries(engine, file: str) -> dict[str, dict]:
     return out
 
 
-def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str], tensors: dict[str, dict]) -> None:
+def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str], tensors: dict[str, dict],
+                    tied: dict[str, str]) -> None:
     mesh = engine.mesh
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -201,7 +205,7 @@ def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str], t
         "layout": {"world_size": mesh.world_size, "pp": mesh.pp_size, "dp": mesh.dp_size,
                    "tp": mesh.tp_size, "zero_stage": engine.reducer.stage},
         "tensors": tensors,
-        "tied": tied_names(engine.module),
+        "tied": tied,
         "files": {name: {"sha256": digest, "bytes": (folder / name).stat().st_size}
                   for name, digest in sorted(checksums.items())},
     }
@@ -210,7 +214,8 @@ def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str], t
     os.replace(tmp, folder / MANIFEST)
 
 
-def _global_shape(t: torch.Tensor) -> tuple[int, ...]:
+def global_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """A tensor's whole (un-ZeRO-partitioned) shape; tp slicing is not undone."""
     owner = getattr(t, "_trident_zero", None)
     if owner is not None and owner.stage == 3:
         pg = owner.param_to_group[id(t)]
@@ -270,7 +275,7 @@ def _verified(folder: Path, manifest: dict, name: str) -> Path:
         raise CheckpointError(f"{path}: not listed in {folder / MANIFEST}; the checkpoint is incomplete")
     if not path.exists():
         raise CheckpointError(f"{path}: file missing (listed in the manifest); the checkpoint is incomplete")
-    digest = _sha256(path)
+    digest = sha256_of(path)
     if digest != entry["sha256"]:
         raise CheckpointError(f"{path}: checksum mismatch (sha256 {digest[:12]}..., manifest says "
                               f"{entry['sha256'][:12]}...); the file is corrupt, load another tag")
@@ -295,6 +300,40 @@ def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
     return deleted
 
 
+def _same_layout_partition(engine, folder: Path, manifest: dict):
+    """None (stage 0) or this rank's partition dict when the checkpoint was written under this
+    engine's exact layout and partitioning; False when it must be resharded."""
+    layout, mesh, stage = manifest["layout"], engine.mesh, engine.reducer.stage
+    same = (not manifest.get("resharded_from") and layout.get("zero_stage", 0) == stage
+            and (layout["pp"], layout["tp"]) == (mesh.pp_size, mesh.tp_size)
+            and (stage == 0 or layout["dp"] == mesh.dp_size))
+    if not same:
+        return False
+    if stage == 0:
+        return None
+    partition = load_pickle(folder, manifest, zero_file(mesh))
+    mine = [(pg.names, [list(c) for c in pg.chunks]) for pg in engine.reducer.groups]
+    saved = [(g["names"], [list(c) for c in g["chunks"]]) for g in partition.get("groups", [])]
+    return partition if mine == saved else False  # other bucket or sub-group sizes: reshard
+
+
+def _load_same_layout(engine, folder: Path, manifest: dict, partition: dict | None, optimizer: bool) -> None:
+    """The fast path: this rank's own files, loaded as they were written."""
+    stage = engine.reducer.stage
+    state = load_tensors(folder, manifest, model_file(engine.mesh))
+    for alias, name in manifest.get("tied", {}).items():
+        if name in state:
+            state[alias] = state[name]
+    engine.module.load_state_dict(state, strict=stage != 3)
+    if stage > 0:
+        engine.reducer.load_state_dict(partition, load_optimizer_states=optimizer)
+    elif optimizer:
+        engine.reducer.load_state_dict(load_pickle(folder, manifest, optim_file(engine.mesh)),
+                                       load_optimizer_states=True)
+    else:
+        engine.reducer.reload_masters()
+
+
 def resolve_tag(load_dir: str, tag: str | None) -> str | None:
     """The tag to load: the given one, or the one named in `latest` (None if there is none)."""
     if tag is not None:
@@ -317,43 +356,26 @@ def load_checkpoint(engine, load_dir: str, tag: str | None, load_optimizer_state
         logger.warning("no checkpoint to load: %s has no '%s' file", load_dir, LATEST)
         return None, None
     folder = Path(load_dir) / tag
-    manifest_path = folder / MANIFEST
     manifest = read_manifest(folder)
-    stage = manifest["layout"].get("zero_stage", 0)
-    if stage != engine.reducer.stage:
-        raise CheckpointError(f"{manifest_path}: written under ZeRO stage {stage}, this engine runs stage "
-                              f"{engine.reducer.stage}; load it under the same stage, or consolidate it "
-                              "(trident checkpoint consolidate) and load the weights")
-    layout = manifest["layout"]
-    if (layout["pp"], layout["tp"]) != (engine.mesh.pp_size, engine.mesh.tp_size) or \
-            (stage > 0 and layout["dp"] != engine.mesh.dp_size):
-        raise CheckpointError(f"{manifest_path}: written with pp={layout['pp']}, dp={layout['dp']}, tp={layout['tp']}; "
-                              f"this engine has pp={engine.mesh.pp_size}, dp={engine.mesh.dp_size}, "
-                              f"tp={engine.mesh.tp_size}. Load it under the layout it was written with, or "
-                              "consolidate it (trident checkpoint consolidate) and load the weights")
-    state = load_tensors(folder, manifest, model_file(engine.mesh))
-    for alias, name in manifest.get("tied", {}).items():
-        if name in state:
-            state[alias] = state[name]
-    engine.module.load_state_dict(state, strict=stage != 3)
-    partition = None
-    if stage > 0:
-        partition = load_pickle(folder, manifest, zero_file(engine.mesh))
-        engine.reducer.load_state_dict(partition, load_optimizer_states=False)  # the weights
-    client_state: dict = {}
-    if load_module_only:
-        engine.reducer.reload_masters()
+    partition = _same_layout_partition(engine, folder, manifest)
+    if partition is False:  # written under another layout: cut it for this one
+        from trident.checkpointing.reshard import CheckpointReader, load_resharded
+        layout = manifest["layout"]
+        logger.info("checkpoint %s was written with pp=%d dp=%d tp=%d ZeRO-%d; resharding it for pp=%d dp=%d tp=%d "
+                    "ZeRO-%d", folder, layout["pp"], layout["dp"], layout["tp"], layout["zero_stage"],
+                    engine.mesh.pp_size, engine.mesh.dp_size, engine.mesh.tp_size, engine.reducer.stage)
+        load_resharded(engine, CheckpointReader(folder), load_optimizer_states and not load_module_only)
     else:
+        _load_same_layout(engine, folder, manifest, partition, load_optimizer_states and not load_module_only)
+    client_state: dict = {}
+    if not load_module_only:
         training = load_pickle(folder, manifest, STATE_FILE)
         engine.load_training_state(training, load_optimizer_states, load_lr_scheduler_states)
-        strategy_state = partition if stage > 0 else load_pickle(folder, manifest, optim_file(engine.mesh))
-        if load_optimizer_states:
-            engine.reducer.load_state_dict(strategy_state, load_optimizer_states=True)
-        else:
-            engine.reducer.reload_masters()
+        if partition is False:  # accumulation steps may differ under the new layout: restart at a boundary
+            engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
         client_state = load_pickle(folder, manifest, CLIENT_FILE)
         rng_name = f"rng_rank{engine.mesh.mesh_rank}.pt"
-        if rng_name in manifest["files"]:
+        if rng_name in manifest["files"] and manifest["layout"]["world_size"] == engine.mesh.world_size:
             _set_rng_state(load_pickle(folder, manifest, rng_name))
     engine.reducer.zero_grad()
     collectives.barrier(group=engine.mesh.mesh_group)

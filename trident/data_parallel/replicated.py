@@ -63,11 +63,19 @@ class ReplicatedOptimizer:
                     for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
         return {"parameters": params, "gradients": grads, "optimizer_states": masters + optim}
 
+    def optimizer_names(self) -> list[str]:
+        """The parameter name of each optimizer index (torch numbers params across groups in order)."""
+        name_of = {id(m): n for m, n in zip(self.master.master_params, self.names)}
+        return [name_of.get(id(p), "?") for group in self.optimizer.param_groups for p in group["params"]]
+
     def state_dict(self) -> dict:
+        """Optimizer state, fp32 masters (when they are copies) and the names that key them,
+        so a checkpoint can be resharded (trident.checkpointing.reshard)."""
         return {"stage": 0, "optimizer": self.optimizer.state_dict(),
                 "master_weights": [m.detach() for m, c in zip(self.master.master_params, self.master.is_copy)
                                    if c],
-                "master_params_are_copies": list(self.master.is_copy), "names": self.names}
+                "master_params_are_copies": list(self.master.is_copy), "names": self.names,
+                "optimizer_names": self.optimizer_names()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:

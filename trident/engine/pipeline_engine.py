@@ -266,10 +266,13 @@ def _check_layout(module: PipelineModule, cfg, mesh: ParallelMesh, batch) -> int
     if pipe.virtual_stages > 1 and (pipe.schedule != "interleaved_1f1b" or pipe.stages < 2):
         raise ValueError(f"pipeline.virtual_stages={pipe.virtual_stages} needs schedule \"interleaved_1f1b\" "
                          f"and at least 2 stages (got schedule {pipe.schedule!r}, {pipe.stages} stage(s))")
-    if cfg.zero_optimization.stage > 1:
+    if cfg.zero_optimization.stage > 1 and pipe.stages > 1:
         raise ValueError(f"zero_optimization.stage={cfg.zero_optimization.stage} does not combine with pipeline "
-                         f"parallelism (every micro-batch's backward would reduce-scatter gradients); use "
-                         f"stage 0 or 1")
+                         f"parallelism over {pipe.stages} stages: stage 2 partitions each gradient as its "
+                         f"backward runs, but a weight tied across stages (the embedding) only gets its "
+                         f"other stages' share after the schedule ends, and stage 3 would re-gather every "
+                         f"layer for every micro-batch; use stage 0 or 1 (stages 2 and 3 work with "
+                         f"pipeline.stages = 1)")
     if pipe.partition_method != module.partition_method:
         logger.warning("config pipeline.partition_method=%r differs from PipelineModule(partition_method=%r); "
                        "the module's partition is used (the layers are already built)", pipe.partition_method,
