@@ -12,7 +12,7 @@ layout-free view:
     CheckpointReader.value(name) -> the whole tensor (the fp32 master of a parameter, else
         the saved buffer)
 
-Loading under another layout (`load_resharded`) asks the running engine for the *shape* of
+Loading under another layout (`prepare_resharded`) asks the running engine for the *shape* of
 its own state (`engine.reducer.state_dict()`: its partition layouts and optimizer indices),
 fills it from the reader, sliced for this rank's tp coordinate and dp shard, and hands it back
 to the strategy's `load_state_dict`; the strategy never learns where the numbers came from.
@@ -27,7 +27,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import save_file
@@ -273,9 +273,10 @@ def local_value(value: torch.Tensor, target: torch.Tensor, tp_rank: int, name: s
     return value
 
 
-def load_resharded(engine, reader: CheckpointReader, load_optimizer_states: bool) -> None:
-    """Load weights, fp32 masters and (optionally) optimizer state into `engine` from a checkpoint
-    written under any layout."""
+def prepare_resharded(engine, reader: CheckpointReader, load_optimizer_states: bool) -> Callable[[], None]:
+    """Read everything `engine` needs from a checkpoint written under any layout: weights, fp32
+    masters and (optionally) optimizer state, cut for this rank. Returns the function that puts
+    them in place; reading uses no collective, so a bad file fails before any rank commits."""
     mesh, strategy, folder = engine.mesh, engine.reducer, reader.folder
     params = dict(engine.module.named_parameters())
     partitioned = {id(p) for p in params.values()} if strategy.stage == 3 else set()
@@ -284,7 +285,6 @@ def load_resharded(engine, reader: CheckpointReader, load_optimizer_states: bool
         if id(t) in partitioned:
             continue
         entries[name] = local_value(reader.value(name), t, mesh.tp_rank, name, folder).to(t.dtype)
-    engine.module.load_state_dict(entries, strict=strategy.stage != 3)
 
     def local_state(name: str) -> ParamState | None:
         state = reader.param_state(name)
@@ -308,7 +308,11 @@ def load_resharded(engine, reader: CheckpointReader, load_optimizer_states: bool
         _fill_replicated(skeleton, local_state, folder)
     else:
         _fill_zero(skeleton, local_state, folder)
-    strategy.load_state_dict(skeleton, load_optimizer_states=load_optimizer_states)
+
+    def apply() -> None:
+        engine.module.load_state_dict(entries, strict=strategy.stage != 3)
+        strategy.load_state_dict(skeleton, load_optimizer_states=load_optimizer_states)
+    return apply
 
 
 def _missing(folder: Path, name: str) -> CheckpointError:

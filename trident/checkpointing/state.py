@@ -317,21 +317,23 @@ def _same_layout_partition(engine, folder: Path, manifest: dict):
     return partition if mine == saved else False  # other bucket or sub-group sizes: reshard
 
 
-def _load_same_layout(engine, folder: Path, manifest: dict, partition: dict | None, optimizer: bool) -> None:
-    """The fast path: this rank's own files, loaded as they were written."""
+def _prepare_same_layout(engine, folder: Path, manifest: dict, partition: dict | None, optimizer: bool):
+    """The fast path: this rank's own files, read now, applied by the returned function."""
     stage = engine.reducer.stage
     state = load_tensors(folder, manifest, model_file(engine.mesh))
     for alias, name in manifest.get("tied", {}).items():
         if name in state:
             state[alias] = state[name]
-    engine.module.load_state_dict(state, strict=stage != 3)
-    if stage > 0:
-        engine.reducer.load_state_dict(partition, load_optimizer_states=optimizer)
-    elif optimizer:
-        engine.reducer.load_state_dict(load_pickle(folder, manifest, optim_file(engine.mesh)),
-                                       load_optimizer_states=True)
-    else:
-        engine.reducer.reload_masters()
+    strategy_state = partition if stage > 0 else (
+        load_pickle(folder, manifest, optim_file(engine.mesh)) if optimizer else None)
+
+    def apply() -> None:
+        engine.module.load_state_dict(state, strict=stage != 3)
+        if strategy_state is not None:
+            engine.reducer.load_state_dict(strategy_state, load_optimizer_states=optimizer)
+        else:
+            engine.reducer.reload_masters()
+    return apply
 
 
 def resolve_tag(load_dir: str, tag: str | None) -> str | None:
@@ -356,28 +358,58 @@ def load_checkpoint(engine, load_dir: str, tag: str | None, load_optimizer_state
         logger.warning("no checkpoint to load: %s has no '%s' file", load_dir, LATEST)
         return None, None
     folder = Path(load_dir) / tag
-    manifest = read_manifest(folder)
-    partition = _same_layout_partition(engine, folder, manifest)
-    if partition is False:  # written under another layout: cut it for this one
-        from trident.checkpointing.reshard import CheckpointReader, load_resharded
-        layout = manifest["layout"]
-        logger.info("checkpoint %s was written with pp=%d dp=%d tp=%d ZeRO-%d; resharding it for pp=%d dp=%d tp=%d "
-                    "ZeRO-%d", folder, layout["pp"], layout["dp"], layout["tp"], layout["zero_stage"],
-                    engine.mesh.pp_size, engine.mesh.dp_size, engine.mesh.tp_size, engine.reducer.stage)
-        load_resharded(engine, CheckpointReader(folder), load_optimizer_states and not load_module_only)
-    else:
-        _load_same_layout(engine, folder, manifest, partition, load_optimizer_states and not load_module_only)
-    client_state: dict = {}
-    if not load_module_only:
-        training = load_pickle(folder, manifest, STATE_FILE)
+    optimizer = load_optimizer_states and not load_module_only
+    try:  # read every file this rank needs before any rank changes anything
+        manifest = read_manifest(folder)
+        partition = _same_layout_partition(engine, folder, manifest)
+        if partition is False:  # written under another layout: cut it for this one
+            from trident.checkpointing.reshard import CheckpointReader, prepare_resharded
+            layout = manifest["layout"]
+            logger.info("checkpoint %s was written with pp=%d dp=%d tp=%d ZeRO-%d; resharding it for pp=%d dp=%d "
+                        "tp=%d ZeRO-%d", folder, layout["pp"], layout["dp"], layout["tp"], layout["zero_stage"],
+                        engine.mesh.pp_size, engine.mesh.dp_size, engine.mesh.tp_size, engine.reducer.stage)
+            apply = prepare_resharded(engine, CheckpointReader(folder), optimizer)
+        else:
+            apply = _prepare_same_layout(engine, folder, manifest, partition, optimizer)
+        training = client_state = rng = None
+        if not load_module_only:
+            training = load_pickle(folder, manifest, STATE_FILE)
+            client_state = load_pickle(folder, manifest, CLIENT_FILE)
+            rng_name = f"rng_rank{engine.mesh.mesh_rank}.pt"
+            if rng_name in manifest["files"] and manifest["layout"]["world_size"] == engine.mesh.world_size:
+                rng = load_pickle(folder, manifest, rng_name)
+        _verify_share(folder, manifest, engine.mesh.mesh_rank, engine.mesh.world_size)
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    _agree_or_raise(engine, error)
+    apply()
+    if training is not None:
         engine.load_training_state(training, load_optimizer_states, load_lr_scheduler_states)
         if partition is False:  # accumulation steps may differ under the new layout: restart at a boundary
             engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-        client_state = load_pickle(folder, manifest, CLIENT_FILE)
-        rng_name = f"rng_rank{engine.mesh.mesh_rank}.pt"
-        if rng_name in manifest["files"] and manifest["layout"]["world_size"] == engine.mesh.world_size:
-            _set_rng_state(load_pickle(folder, manifest, rng_name))
+    if rng is not None:
+        _set_rng_state(rng)
     engine.reducer.zero_grad()
     collectives.barrier(group=engine.mesh.mesh_group)
     logger.info("loaded checkpoint %s (step %d)", folder, engine.global_steps)
-    return str(folder), client_state
+    return str(folder), client_state or {}
+
+
+def _verify_share(folder: Path, manifest: dict, rank: int, world: int) -> None:
+    """Check this rank's share of the checkpoint's files (every world-th), so a damaged file is
+    named even when this layout does not read it (a model file whose weights come from the fp32
+    masters, another layout's RNG states)."""
+    for name in sorted(manifest["files"])[rank::world]:
+        _verified(folder, manifest, name)
+
+
+def _agree_or_raise(engine, error: str | None) -> None:
+    """Every rank learns whether any rank failed to read its files; all raise the first error."""
+    errors: list = [None] * engine.mesh.world_size
+    collectives.all_gather_object(errors, error, group=engine.mesh.mesh_group)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if failed:
+        rank, first = failed[0]
+        more = f" ({len(failed) - 1} other rank(s) failed too)" if len(failed) > 1 else ""
+        raise CheckpointError(f"{first} [read by rank {rank}{more}]")

@@ -1,10 +1,16 @@
-"""`trident checkpoint consolidate CKPT_DIR OUT [--tag TAG]`: one plain fp32 state dict from a
-checkpoint, with no process group (reads every rank's partition from disk).
+"""`trident checkpoint inspect | reshard | consolidate`: work with a checkpoint on disk, with no
+process group.
 
 CKPT_DIR is the folder given to `engine.save_checkpoint` (its `latest` tag is used unless
---tag is given) or one checkpoint folder. OUT is a file (.safetensors, or .pt/.bin for
-torch.save) or a folder (model_fp32.safetensors inside). The result loads into the unsplit
-model with `model.load_state_dict`.
+--tag is given) or one checkpoint folder.
+
+  inspect CKPT_DIR                          the layout, every tensor (global shape, dtype, how
+                                            it is split) and every file with its size
+  reshard CKPT_DIR OUT --pp P --tp T --dp D  write the checkpoint for another layout
+  consolidate CKPT_DIR OUT                  one plain fp32 state dict: OUT is a file
+                                            (.safetensors, or .pt/.bin for torch.save) or a
+                                            folder (model_fp32.safetensors inside); it loads
+                                            into the unsplit model with `load_state_dict`
 """
 
 from __future__ import annotations
@@ -23,6 +29,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("out", metavar="OUT", help="output file (.safetensors, .pt, .bin) or folder")
     c.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
     c.set_defaults(func=run_consolidate)
+    i = sub.add_parser("inspect", help="print a checkpoint's layout, tensors and files",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    i.add_argument("checkpoint_dir", metavar="CKPT_DIR", help="save_checkpoint's folder, or one tag folder")
+    i.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
+    i.add_argument("--verify", action="store_true", help="also check every file's sha256 against the manifest")
+    i.set_defaults(func=run_inspect)
+    r = sub.add_parser("reshard", help="write a checkpoint for another (pp, dp, tp) layout",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("checkpoint_dir", metavar="CKPT_DIR", help="save_checkpoint's folder, or one tag folder")
+    r.add_argument("out", metavar="OUT", help="new checkpoint folder (must not exist or be empty)")
+    for flag in ("--pp", "--tp", "--dp"):
+        r.add_argument(flag, type=int, required=True, help=f"{flag[2:]} size of the new layout")
+    r.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
+    r.set_defaults(func=run_reshard)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
     return p
 
@@ -35,6 +55,33 @@ def run_consolidate(args: argparse.Namespace) -> int:
         out = consolidate(args.checkpoint_dir, args.out, tag=args.tag)
     except CheckpointError as err:
         print(f"trident checkpoint consolidate: {err}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from trident.checkpointing.consolidate import checkpoint_folder
+    from trident.checkpointing.inspect import describe
+    from trident.checkpointing.state import CheckpointError
+
+    try:
+        print(describe(checkpoint_folder(args.checkpoint_dir, args.tag), verify=args.verify))
+    except CheckpointError as err:
+        print(f"trident checkpoint inspect: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_reshard(args: argparse.Namespace) -> int:
+    from trident.checkpointing.consolidate import checkpoint_folder
+    from trident.checkpointing.reshard import reshard
+    from trident.checkpointing.state import CheckpointError
+
+    try:
+        out = reshard(checkpoint_folder(args.checkpoint_dir, args.tag), args.out, pp=args.pp, tp=args.tp, dp=args.dp)
+    except (CheckpointError, ValueError) as err:
+        print(f"trident checkpoint reshard: {err}", file=sys.stderr)
         return 1
     print(out)
     return 0
