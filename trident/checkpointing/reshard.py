@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
 from trident.checkpointing.state import (CLIENT_FILE, FORMAT_VERSION, MANIFEST, STATE_FILE, CheckpointError,
-                                        load_pickle, load_tensors, read_manifest, sha256_of)
+                                        load_pickle, load_tensors, read_manifest, sha256_of,
+                                        write_hashed)
 from trident.tensor_parallel.split import ShardSpec
 from trident.zero.partition import ShardedLayout
 
@@ -433,20 +434,19 @@ def reshard(src: str | Path, out: str | Path, pp: int, tp: int, dp: int) -> Path
                 model_name = _model_file(p, t, {"pp": pp, "tp": tp})
                 record["shards"].append({"file": model_name, "pp": p, "tp": t, "slice": sl})
             model_name = _model_file(p, t, {"pp": pp, "tp": tp})
-            save_file(model, str(partial / model_name))
+            files[model_name] = write_hashed(partial / model_name, safetensors_bytes(model))
             optim_name = f"optim_pp{p}_tp{t}.pt"
-            torch.save({"stage": 0, "format": "named", "param_groups": reader.param_groups(), "params": params},
-                       partial / optim_name)
-            files[model_name] = files[optim_name] = ""
+            files[optim_name] = write_hashed(partial / optim_name, {"stage": 0, "format": "named", "params": params,
+                                                                    "param_groups": reader.param_groups()})
     for extra in (STATE_FILE, CLIENT_FILE):
         if extra in reader.manifest["files"]:
             shutil.copyfile(reader.folder / extra, partial / extra)
-            files[extra] = ""
+            files[extra] = sha256_of(partial / extra)
     manifest = {
         "format_version": FORMAT_VERSION, "tag": out.name, "global_steps": reader.manifest.get("global_steps", 0),
         "layout": {"world_size": pp * dp * tp, "pp": pp, "dp": dp, "tp": tp, "zero_stage": 0},
         "resharded_from": reader.layout, "tensors": tensors, "tied": reader.tied,
-        "files": {f: {"sha256": sha256_of(partial / f), "bytes": (partial / f).stat().st_size} for f in sorted(files)},
+        "files": {f: {"sha256": digest, "bytes": (partial / f).stat().st_size} for f, digest in sorted(files.items())},
     }
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
     if out.exists():

@@ -22,6 +22,7 @@ at any moment leaves the previous checkpoint and `latest` untouched.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from trident.comm import collectives
 from trident.monitor.log import logger
@@ -48,10 +50,10 @@ class CheckpointError(RuntimeError):
 
 
 def sha256_of(path: Path) -> str:
-    """The file's sha256 (hex), read in 1 MiB blocks."""
+    """The file's sha256 (hex), read in 4 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
 
@@ -89,22 +91,21 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
     files: dict[str, str] = {}
     tensors: dict[str, dict] = {}
 
-    def write(name: str, save) -> None:
-        save(partial / name)
-        files[name] = sha256_of(partial / name)
+    def write(name: str, obj) -> None:
+        files[name] = write_hashed(partial / name, obj)
 
-    write(f"rng_rank{rank}.pt", lambda path: torch.save(_rng_state(), path))
+    write(f"rng_rank{rank}.pt", _rng_state())
     if zero:  # every rank: its own partition
-        write(zero_file(engine.mesh), lambda path: torch.save(engine.reducer.state_dict(), path))
+        write(zero_file(engine.mesh), engine.reducer.state_dict())
     if engine.mesh.dp_rank == 0:  # one replica per (pp, tp) position writes what the replicas share
         model = model_file(engine.mesh)
-        write(model, lambda path: save_file(_model_tensors(engine), str(path)))
+        write(model, safetensors_bytes(_model_tensors(engine)))
         tensors = _tensor_entries(engine, model)
         if not zero:
-            write(optim_file(engine.mesh), lambda path: torch.save(engine.reducer.state_dict(), path))
+            write(optim_file(engine.mesh), engine.reducer.state_dict())
     if rank == 0:
-        write(STATE_FILE, lambda path: torch.save(engine.training_state(), path))
-        write(CLIENT_FILE, lambda path: torch.save(client_state, path))
+        write(STATE_FILE, engine.training_state())
+        write(CLIENT_FILE, client_state)
     gathered: list = [None] * engine.mesh.world_size
     collectives.all_gather_object(gathered, (files, tensors, tied_names(engine.module)), group=group)
     if rank == 0:
@@ -126,6 +127,32 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
         logger.info("saved checkpoint %s", final)
     collectives.barrier(group=group)
     return str(final)
+
+
+class _HashingWriter(io.RawIOBase):
+    """A file that hashes what passes through it, so a checkpoint file is read zero times to
+    get its checksum."""
+
+    def __init__(self, f) -> None:
+        self.f, self.hash = f, hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.hash.update(data)
+        return self.f.write(data)
+
+
+def write_hashed(path: Path, obj) -> str:
+    """Write `obj` (bytes as they are, anything else with torch.save); returns the sha256."""
+    with open(path, "wb") as f:
+        if isinstance(obj, bytes):
+            f.write(obj)
+            return hashlib.sha256(obj).hexdigest()
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)
+        return writer.hash.hexdigest()
 
 
 def zero_file(mesh) -> str:
@@ -269,17 +296,24 @@ def load_pickle(folder: Path, manifest: dict, name: str):
 
 
 def _verified(folder: Path, manifest: dict, name: str) -> Path:
+    """The file's path once its sha256 matches the manifest's (hashing leaves it in the page
+    cache for the load that follows). The names checked are remembered in the (in-memory)
+    manifest under "_read", so `_verify_share` skips them."""
     path = folder / name
     entry = manifest["files"].get(name)
     if entry is None:
         raise CheckpointError(f"{path}: not listed in {folder / MANIFEST}; the checkpoint is incomplete")
     if not path.exists():
         raise CheckpointError(f"{path}: file missing (listed in the manifest); the checkpoint is incomplete")
-    digest = sha256_of(path)
+    _check_digest(path, sha256_of(path), entry)
+    manifest.setdefault("_read", set()).add(name)
+    return path
+
+
+def _check_digest(path: Path, digest: str, entry: dict) -> None:
     if digest != entry["sha256"]:
         raise CheckpointError(f"{path}: checksum mismatch (sha256 {digest[:12]}..., manifest says "
                               f"{entry['sha256'][:12]}...); the file is corrupt, load another tag")
-    return path
 
 
 def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
@@ -401,7 +435,12 @@ def _verify_share(folder: Path, manifest: dict, rank: int, world: int) -> None:
     named even when this layout does not read it (a model file whose weights come from the fp32
     masters, another layout's RNG states)."""
     for name in sorted(manifest["files"])[rank::world]:
-        _verified(folder, manifest, name)
+        if name in manifest.get("_read", ()):
+            continue
+        path = folder / name
+        if not path.exists():
+            raise CheckpointError(f"{path}: file missing (listed in the manifest); the checkpoint is incomplete")
+        _check_digest(path, sha256_of(path), manifest["files"][name])
 
 
 def _agree_or_raise(engine, error: str | None) -> None:
