@@ -209,6 +209,9 @@ class PipelineModule(nn.Module):
                         f"TiedLayerSpec, torch.nn.Module or callables")
 
 
+_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "tp_spec")
+
+
 def _params_to_buffers(module: nn.Module) -> list[str]:
     """Turn a tied copy's parameters into buffers (this stage reads them but does not train
     them); returns their names."""
@@ -217,7 +220,11 @@ def _params_to_buffers(module: nn.Module) -> list[str]:
         for name, param in list(sub._parameters.items()):
             if param is not None:
                 del sub._parameters[name]
-                sub.register_buffer(name, param.detach())
+                copy = param.detach()
+                for attr in _TP_ATTRS:  # a tensor-parallel slice stays described as one
+                    if hasattr(param, attr):
+                        setattr(copy, attr, getattr(param, attr))
+                sub.register_buffer(name, copy)
                 names.append(f"{prefix}.{name}" if prefix else name)
     return names
 
