@@ -44,8 +44,8 @@ CASES = [
     ("known but unimplemented ZeRO key", {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
      None, "zero_optimization.offload_optimizer: `zero_optimization.offload_optimizer` is a ZeRO setting "
            "that this version of trident does not implement; remove it"),
-    ("DeepSpeed-only top-level section", {"activation_checkpointing": {}}, None,
-     "activation_checkpointing: `activation_checkpointing` is a DeepSpeed setting that this version of trident "
+    ("DeepSpeed-only top-level section", {"flops_profiler": {}}, None,
+     "flops_profiler: `flops_profiler` is a DeepSpeed setting that this version of trident "
      "does not implement; remove it"),
     ("unknown optimizer type", {"optimizer": {"type": "AdamX", "params": {}}}, None,
      "optimizer.type: unknown optimizer type 'AdamX'; did you mean 'Adam'? Allowed optimizer types: Adam, AdamW, "

@@ -1,7 +1,15 @@
-"""Checkpoints: atomic sharded save/load with a manifest (`state`), offline consolidation
-(`consolidate`)."""
+"""Checkpoints and activation checkpointing.
 
+- `state`: atomic sharded save/load with a manifest; `reshard`: load under any layout;
+  `consolidate`: one plain state dict offline; `inspect`: what a checkpoint holds.
+- `activation`: recompute layers in backward (DeepSpeed's `configure` / `checkpoint` /
+  `is_configured`), selective by module name.
+"""
+
+from trident.checkpointing.activation import (apply_activation_checkpointing, checkpoint, configure, is_configured,
+                                              profile_timings, reset)
 from trident.checkpointing.consolidate import (get_fp32_state_dict_from_zero_checkpoint,
                                                load_state_dict_from_zero_checkpoint)
 
-__all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint"]
+__all__ = ["apply_activation_checkpointing", "checkpoint", "configure", "get_fp32_state_dict_from_zero_checkpoint",
+           "is_configured", "load_state_dict_from_zero_checkpoint", "profile_timings", "reset"]

@@ -258,6 +258,26 @@ class PipelineConfig(Section):
 
 # -- parameter server ----------------------------------------------------------------------------
 
+class ActivationCheckpointingConfig(Section):
+    """Recompute layers in backward instead of keeping their activations (DeepSpeed's section,
+    plus `layers` / `every` to choose which modules trident.initialize wraps)."""
+
+    partition_activations: bool = Field(False, description=(
+        "Split each kept layer input over the tensor-parallel ranks; gather it for the rerun."))
+    cpu_checkpointing: bool = Field(False, description="Keep the (partitioned) layer inputs in host memory.")
+    contiguous_memory_optimization: bool = Field(False, description=(
+        "Copy kept inputs into number_checkpoints preallocated buffers reused every step."))
+    number_checkpoints: int | None = Field(None, gt=0, description=(
+        "Checkpointed layers alive at once (needed by contiguous_memory_optimization)."))
+    synchronize_checkpoint_boundary: bool = Field(False, description=(
+        "torch.cuda.synchronize() at each checkpoint boundary (CUDA only)."))
+    profile: bool = Field(False, description="Time each checkpointed forward and rerun.")
+    layers: list[str] = Field(default_factory=list, description=(
+        "Regexes of module names (model.named_modules()) to checkpoint, e.g. [\"blocks\\\\.\\\\d+\"]; "
+        "empty = none wrapped by trident (the model may call trident.checkpointing.checkpoint itself)."))
+    every: int = Field(1, gt=0, description="Checkpoint every k-th module matching `layers` (selective).")
+
+
 class ParameterServerConfig(Section):
     """`parameter_server`: servers hold the parameters and run the optimizer; workers compute
     gradients, push them and pull fresh parameters (a trident section)."""
@@ -348,6 +368,8 @@ class TridentConfig(Section):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig, description=(
         "Tensor parallelism."))
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Pipeline parallelism.")
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig, description="Activation checkpointing (recompute).")
     parameter_server: ParameterServerConfig = Field(default_factory=ParameterServerConfig, description=(
         "Parameter-server training."))
     model: ModelConfig = Field(default_factory=ModelConfig, description="`trident train` only.")
@@ -407,7 +429,7 @@ ZERO_UNIMPLEMENTED_KEYS = frozenset({
 })
 
 _DEEPSPEED_ONLY_TOP_LEVEL = frozenset({
-    "activation_checkpointing", "aio", "amp", "autotuning", "comet", "communication_data_type",
+    "aio", "amp", "autotuning", "comet", "communication_data_type",
     "compile", "compression_training", "curriculum_learning", "data_efficiency", "data_types",
     "dataloader_drop_last", "disable_allgather", "dump_state", "eigenvalue", "elasticity", "flops_profiler",
     "gradient_allreduce_op", "graph_harvesting", "hybrid_engine", "log_level", "managed_gradient_accumulation",

@@ -100,6 +100,7 @@ def initialize(
     if mesh.tp_size > 1 or cfg.tensor_parallel.plan is not None:
         from trident.tensor_parallel import apply_tensor_parallel
         model = apply_tensor_parallel(model, cfg.tensor_parallel, mesh, logger=comms_logger)
+    _configure_activation_checkpointing(cfg, model, mesh)
     _broadcast_module(model, mesh)
     dtype = compute_dtype(cfg)
     model.to(dtype)
@@ -142,6 +143,21 @@ def _resume(engine: Engine, loader, path: str) -> None:
     if loader is not None and sampler_state is not None:
         loader.sampler.load_state_dict(sampler_state)
     logger.info("auto_resume: continuing from step %d of %s", engine.global_steps, path)
+
+
+def _configure_activation_checkpointing(cfg, model, mesh) -> None:
+    """`activation_checkpointing`: settings for every checkpoint() call, and the modules to wrap."""
+    from trident import checkpointing
+    ac = cfg.activation_checkpointing
+    partition = ac.partition_activations
+    if partition and cfg.tensor_parallel.sequence_parallel:
+        logger.warning("activation_checkpointing.partition_activations is ignored with "
+                       "tensor_parallel.sequence_parallel: layer inputs are already split along the sequence")
+        partition = False
+    if ac != type(ac)() or checkpointing.is_configured():
+        checkpointing.configure(mesh, deepspeed_config=ac, partition_activations=partition)
+    if ac.layers:
+        checkpointing.apply_activation_checkpointing(model, ac.layers, ac.every)
 
 
 def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_logger, dtype):

@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from trident.checkpointing import activation
 from trident.pipeline.partition import layer_type_name, partition_layers
 
 
@@ -163,8 +163,9 @@ class PipelineModule(nn.Module):
         k = self.activation_checkpoint_interval
         if k <= 0 or not torch.is_grad_enabled():
             return _run_layers(funcs, x)
-        for start in range(0, len(funcs), k):
-            x = checkpoint(_run_layers, funcs[start:start + k], x, use_reentrant=False)
+        for start in range(0, len(funcs), k):  # trident's checkpoint: honours activation_checkpointing
+            packed = isinstance(x, tuple)
+            x = activation.checkpoint(_run_packed, funcs[start:start + k], packed, *(x if packed else (x,)))
         return x
 
     def forward(self, x: Any) -> Any:
@@ -233,6 +234,12 @@ def _run_layers(funcs: Sequence[Callable], x: Any) -> Any:
     for f in funcs:
         x = f(x)
     return x
+
+
+def _run_packed(funcs: Sequence[Callable], packed: bool, *xs: Any) -> Any:
+    """`_run_layers` with a tuple input spread over positional arguments (checkpoint keeps
+    tensor arguments only)."""
+    return _run_layers(funcs, tuple(xs) if packed else xs[0])
 
 
 def _param_count(layer: Any) -> int:

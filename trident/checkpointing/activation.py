@@ -1,0 +1,341 @@
+"""Activation checkpointing: keep a layer's inputs, recompute its insides in backward.
+
+`checkpoint(function, *args)` runs `function` without recording its graph and keeps only its
+tensor inputs; backward runs it again with grad enabled and back-propagates through the rerun.
+What a user can turn on (DeepSpeed's API: `configure(mpu, ...)`, `checkpoint`, `is_configured`):
+
+- partition_activations: the kept inputs, replicated over the tensor-parallel group, are split
+  over it (each rank keeps 1/tp) and all-gathered over `mesh.tp_group` just before the rerun.
+  Only meaningful for inputs that *are* replicated over tp; with sequence parallelism they are
+  already split along the sequence, and trident.initialize leaves partitioning off (with a
+  warning) in that case.
+- cpu_checkpointing: the kept inputs live in host memory (pinned when the device is CUDA) and
+  go back to the device for the rerun.
+- contiguous_memory_optimization: the kept inputs are copied into `number_checkpoints`
+  preallocated slots reused every step (no fragmentation from many small saved tensors); a
+  slot still in use when its turn comes again is an error naming number_checkpoints.
+- synchronize: torch.cuda.synchronize() at each checkpoint boundary (CUDA only).
+- profile: wall time of each forward and each rerun, summed in `profile_timings()`.
+
+The rerun replays randomness exactly: the default CPU (and CUDA) generator, and every
+torch.Generator reachable from the function's modules (the reference GPT's per-head dropout
+streams, `head_rng`, and any `RNGTracker`), are set back to their state at the forward and
+restored afterwards.
+
+Selective checkpointing: `apply_activation_checkpointing(model, layers=[regex, ...], every=k)`
+wraps every k-th submodule whose qualified name matches; PipelineModule's
+`activation_checkpoint_interval` checkpoints every run of k layers through `checkpoint` too.
+
+The settings are process-wide because DeepSpeed's API is (`configure` once, `checkpoint`
+anywhere); `configure` returns the settings object and `reset` clears it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from trident.monitor.log import logger
+from trident.parallel.rng import RNGTracker
+
+
+@dataclass
+class CheckpointSettings:
+    """What `configure` set; read by every `checkpoint` call."""
+
+    mesh: Any = None
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: int | None = None
+    synchronize: bool = False
+    profile: bool = False
+    timings: dict[str, float] = field(default_factory=lambda: {"forward_s": 0.0, "recompute_s": 0.0, "calls": 0})
+    slots: "_Slots | None" = None
+
+    @property
+    def partition_group(self):
+        mesh = self.mesh
+        if self.partition_activations and mesh is not None and getattr(mesh, "tp_size", 1) > 1:
+            return mesh.tp_group
+        return None
+
+
+_SETTINGS: CheckpointSettings | None = None
+
+
+def configure(mpu_=None, deepspeed_config=None, partition_activations: bool | None = None,
+              contiguous_memory_optimization: bool | None = None, cpu_checkpointing: bool | None = None,
+              number_checkpoints: int | None = None, synchronize: bool | None = None,
+              profile: bool | None = None) -> CheckpointSettings:
+    """Set how `checkpoint` keeps inputs. `mpu_` is the ParallelMesh (its tp group partitions
+    activations); `deepspeed_config` may be a trident Config (or its activation_checkpointing
+    section) whose values fill the arguments left as None."""
+    global _SETTINGS
+    section = getattr(deepspeed_config, "activation_checkpointing", deepspeed_config)
+    values = {
+        "partition_activations": partition_activations, "contiguous_memory_optimization":
+            contiguous_memory_optimization, "cpu_checkpointing": cpu_checkpointing,
+        "number_checkpoints": number_checkpoints, "synchronize": synchronize, "profile": profile,
+    }
+    for key, value in values.items():
+        if value is None:
+            source = "synchronize_checkpoint_boundary" if key == "synchronize" else key
+            values[key] = getattr(section, source, None) if section is not None else None
+    settings = CheckpointSettings(mesh=mpu_, **{k: v for k, v in values.items() if v is not None})
+    if settings.contiguous_memory_optimization:
+        n = settings.number_checkpoints
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"activation_checkpointing.contiguous_memory_optimization needs "
+                             f"activation_checkpointing.number_checkpoints (a positive integer: how many "
+                             f"checkpointed layers are alive at once), got {n!r}")
+        settings.slots = _Slots(n)
+    _SETTINGS = settings
+    return settings
+
+
+def is_configured() -> bool:
+    """True once `configure` has been called (and not `reset`)."""
+    return _SETTINGS is not None
+
+
+def reset() -> None:
+    """Forget the settings (tests, or a second engine with other settings)."""
+    global _SETTINGS
+    _SETTINGS = None
+
+
+def settings() -> CheckpointSettings:
+    """The current settings (the defaults when `configure` was not called)."""
+    return _SETTINGS if _SETTINGS is not None else CheckpointSettings()
+
+
+def profile_timings() -> dict[str, float]:
+    """Seconds spent in checkpointed forwards and reruns, and the number of calls (profile=True)."""
+    return dict(settings().timings)
+
+
+def checkpoint(function: Callable, *args: Any) -> Any:
+    """`function(*args)`, keeping only its tensor inputs for backward (see the module docstring)."""
+    current = settings()
+    if not torch.is_grad_enabled():
+        return function(*args)
+    generators = _generators(function, args)
+    anchor = torch.empty(0, requires_grad=True)  # backward runs even if no input needs grad
+    return _Checkpoint.apply(function, current, generators, anchor, *args)
+
+
+class _Checkpoint(torch.autograd.Function):
+    """Forward without a graph; backward reruns `function` on the kept inputs."""
+
+    @staticmethod
+    def forward(ctx, function, current: CheckpointSettings, generators, anchor, *args):
+        ctx.function, ctx.settings, ctx.generators = function, current, generators
+        ctx.rng = _rng_states(generators)
+        _sync(current)
+        start = time.perf_counter()
+        with torch.no_grad():
+            outputs = function(*args)
+        if current.profile:
+            current.timings["forward_s"] += time.perf_counter() - start
+            current.timings["calls"] += 1
+        ctx.kept = [_keep(a, current) if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.needs = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        current = ctx.settings
+        _sync(current)
+        inputs = []
+        for kept, needs in zip(ctx.kept, ctx.needs):
+            if isinstance(kept, _Kept):
+                t = kept.restore(current).detach()
+                t.requires_grad_(needs)
+                inputs.append(t)
+            else:
+                inputs.append(kept)
+        ctx.kept = None
+        start = time.perf_counter()
+        now = _rng_states(ctx.generators)
+        _set_rng_states(ctx.generators, ctx.rng)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.function(*inputs)
+        finally:
+            _set_rng_states(ctx.generators, now)
+        if current.profile:
+            current.timings["recompute_s"] += time.perf_counter() - start
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad
+                 and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, None, None) + tuple(t.grad if isinstance(t, torch.Tensor) and needs else None
+                                                for t, needs in zip(inputs, ctx.needs))
+
+
+# -- keeping inputs ------------------------------------------------------------------------------
+
+
+class _Kept:
+    """One kept input: possibly this rank's 1/tp piece, possibly on the host, possibly in a slot."""
+
+    def __init__(self, t: torch.Tensor, current: CheckpointSettings) -> None:
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        data = t.detach()
+        group = current.partition_group if t.is_floating_point() else None
+        self.group = group
+        if group is not None:
+            world, rank = current.mesh.tp_size, current.mesh.tp_rank
+            flat = data.reshape(-1)
+            self.numel = flat.numel()
+            per = -(-self.numel // world)
+            if per * world != self.numel:
+                flat = torch.cat([flat, flat.new_zeros(per * world - self.numel)])
+            data = flat[rank * per:(rank + 1) * per].clone()
+        if current.cpu_checkpointing and data.device.type != "cpu":
+            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=torch.cuda.is_available())
+            host.copy_(data, non_blocking=True)
+            data = host
+        self.slot = None
+        if current.slots is not None:
+            self.slot, data = current.slots.take(data)
+        self.data = data
+
+    def restore(self, current: CheckpointSettings) -> torch.Tensor:
+        data = self.data.to(self.device, non_blocking=True)
+        if self.slot is not None:
+            data = data.clone() if data.data_ptr() == self.data.data_ptr() else data
+            current.slots.free(self.slot)
+        if self.group is not None:
+            from trident.comm import collectives
+            world = current.mesh.tp_size
+            full = torch.empty(world * data.numel(), dtype=data.dtype, device=data.device)
+            collectives.all_gather(full, data.contiguous(), group=self.group)
+            data = full[:self.numel]
+        self.data = None
+        return data.view(self.shape)
+
+
+def _keep(t: torch.Tensor, current: CheckpointSettings) -> _Kept:
+    return _Kept(t, current)
+
+
+class _Slots:
+    """`number_checkpoints` reusable buffers, taken in turn; each grows to the largest input
+    it has held and is reused from then on."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.next = count, 0
+        self.buffers: list[torch.Tensor | None] = [None] * count
+        self.busy = [False] * count
+
+    def take(self, data: torch.Tensor) -> tuple[int, torch.Tensor]:
+        slot = self.next
+        if self.busy[slot]:
+            raise RuntimeError(f"activation_checkpointing.number_checkpoints={self.count} is too small: slot "
+                               f"{slot} is still held by an earlier checkpoint whose backward has not run. Set "
+                               f"it to the number of checkpointed layers alive at once (layers x micro-batches "
+                               f"in flight)")
+        self.next = (slot + 1) % self.count
+        buf = self.buffers[slot]
+        nbytes = data.numel() * data.element_size()
+        if buf is None or buf.device != data.device or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=data.device)
+            self.buffers[slot] = buf
+        view = buf[:nbytes].view(data.dtype).view(data.shape)
+        view.copy_(data)
+        self.busy[slot] = True
+        return slot, view
+
+    def free(self, slot: int) -> None:
+        self.busy[slot] = False
+
+
+# -- randomness ------------------------------------------------------------------------------------
+
+
+def _generators(function: Callable, args: tuple) -> list[torch.Generator]:
+    """Every torch.Generator the function's modules hold (per-head streams, RNG trackers)."""
+    modules, seen, found = [], set(), []
+    for obj in (function, getattr(function, "__self__", None), getattr(function, "func", None),
+                *getattr(function, "args", ()), *args):
+        if isinstance(obj, nn.Module):
+            modules.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            modules += [m for m in obj if isinstance(m, nn.Module)]
+    for root in modules:
+        for module in root.modules():
+            for value in vars(module).values():
+                for gen in _generators_in(value):
+                    if id(gen) not in seen:
+                        seen.add(id(gen))
+                        found.append(gen)
+    return found
+
+
+def _generators_in(value: Any) -> Iterable[torch.Generator]:
+    if isinstance(value, torch.Generator):
+        yield value
+    elif isinstance(value, RNGTracker):
+        yield from value._generators.values()
+    elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Generator):
+        yield from value
+
+
+def _rng_states(generators: list[torch.Generator]) -> tuple:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda, [g.get_state() for g in generators]
+
+
+def _set_rng_states(generators: list[torch.Generator], states: tuple) -> None:
+    cpu, cuda, streams = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+    for gen, state in zip(generators, streams):
+        gen.set_state(state)
+
+
+def _sync(current: CheckpointSettings) -> None:
+    if current.synchronize and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# -- selective checkpointing -------------------------------------------------------------------------
+
+
+def apply_activation_checkpointing(model: nn.Module, layers: list[str], every: int = 1) -> list[str]:
+    """Checkpoint every `every`-th submodule whose qualified name fully matches one of the
+    regexes `layers` (counted in module order); returns the wrapped names."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"activation_checkpointing.every must be a positive integer, got {every!r}")
+    patterns = []
+    for pattern in layers:
+        try:
+            patterns.append(re.compile(pattern))
+        except re.error as err:
+            raise ValueError(f"activation_checkpointing.layers: {pattern!r} is not a valid regular expression "
+                             f"({err})") from None
+    matches = [(name, m) for name, m in model.named_modules()
+               if name and any(p.fullmatch(name) for p in patterns)]
+    if layers and not matches:
+        sample = ", ".join(name for name, _ in list(model.named_modules())[1:6])
+        raise ValueError(f"activation_checkpointing.layers {layers} match no submodule of "
+                         f"{type(model).__name__} (its modules are named like: {sample}, ...)")
+    wrapped = []
+    for i, (name, module) in enumerate(matches):
+        if i % every == 0 and not getattr(module, "_trident_checkpointed", False):
+            module.forward = functools.partial(checkpoint, module.forward)
+            module._trident_checkpointed = True
+            wrapped.append(name)
+    logger.info("activation checkpointing: %d module(s) recompute in backward (%s%s)", len(wrapped),
+                ", ".join(wrapped[:4]), ", ..." if len(wrapped) > 4 else "")
+    return wrapped
