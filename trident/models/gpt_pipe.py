@@ -6,6 +6,13 @@
     n + 2  FinalNorm                                     ln_f
     n + 3  TiedLayerSpec("embed", ..., forward_fn=logits) x @ wte^T   (LMHead when untied)
 
+With `mesh` (tp > 1) the layers are tensor-parallel as `GPT(cfg, mesh)` is: the token table is
+split by vocabulary rows (padded to a multiple of tp), attention and MLP by heads / hidden
+features, the tied output projection gives this rank's vocabulary slice of the logits and the
+loss is `vocab_parallel_cross_entropy`. With `sequence_parallel` the activations between layers
+(and between stages) are this rank's slice of the sequence. Parameter names are the same as
+without tp, so checkpoints and `gpt_names` do not change.
+
 Every layer initialises itself with GPT's rules (normal(0, init_std), the two residual
 projections scaled by 1 / sqrt(2 n_layer), norms 1, biases 0), but draws from the global RNG
 of the stage that builds it, so its weights differ from a serial GPT's with the same seed;
@@ -22,7 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from trident.models.gpt import GPT, Block, GPTConfig
+from trident.parallel.rng import RNGTracker
 from trident.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
+from trident.tensor_parallel import (SequenceParallelDropout, VocabParallelEmbedding, mark_sequence_parallel,
+                                     vocab_parallel_cross_entropy)
+from trident.tensor_parallel.layers import ColumnParallelLinear
+from trident.tensor_parallel.mappings import (SEQUENCE_DIM, copy_to_tp_region,
+                                              gather_from_sequence_parallel_region)
+from trident.tensor_parallel.plan import Column, Row, apply_plan
 
 
 @torch.no_grad()
@@ -96,6 +110,117 @@ class LMHead(nn.Linear):
         _init_like_gpt(self, cfg)
 
 
+# -- tensor-parallel layers (mesh.tp_size > 1) -------------------------------------------------------
+
+_BLOCK_PLAN = {"attn.qkv": Column(), "attn.proj": Row(), "mlp.fc": Column(), "mlp.proj": Row()}
+
+
+class TPTokenEmbedding(VocabParallelEmbedding):
+    """`wte` split by vocabulary rows; under sequence parallelism it returns this rank's
+    sequence shard (the partial lookups are reduce-scattered)."""
+
+    def __init__(self, cfg: GPTConfig, mesh, sequence_parallel: bool) -> None:
+        super().__init__(cfg.vocab_size, cfg.d_model, mesh, sequence_parallel=sequence_parallel,
+                         _full=TokenEmbedding(cfg))
+        self.seq_len = cfg.seq_len
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.shape[1] > self.seq_len:
+            raise ValueError(f"input has {idx.shape[1]} tokens but the model's seq_len is {self.seq_len}; "
+                             f"truncate the input or build a longer model")
+        if self.sequence_parallel and idx.shape[1] % self.tp_size:
+            raise ValueError(f"input has {idx.shape[1]} tokens, not divisible by tp={self.tp_size}; sequence "
+                             f"parallelism splits the sequence evenly, so pad or truncate the input")
+        return super().forward(idx)
+
+
+def tp_tied_logits(embedding: TPTokenEmbedding, x: torch.Tensor) -> torch.Tensor:
+    """This rank's vocabulary slice of the logits through the split token table (the whole
+    sequence: a sequence-parallel input is gathered first)."""
+    if embedding.sequence_parallel:
+        x = gather_from_sequence_parallel_region(x, embedding.tp_group, embedding.logger, SEQUENCE_DIM)
+    else:
+        x = copy_to_tp_region(x, embedding.tp_group, embedding.logger)
+    return F.linear(x, embedding.weight)
+
+
+class TPPositionEmbedding(PositionEmbedding):
+    """Adds `wpe` (replicated); under sequence parallelism only this rank's positions, with
+    the sequence-parallel dropout, and wpe's gradient summed over tp."""
+
+    def __init__(self, cfg: GPTConfig, mesh, sequence_parallel: bool) -> None:
+        super().__init__(cfg)
+        self.shard = (mesh.tp_rank, mesh.tp_size) if sequence_parallel else None
+        if sequence_parallel:
+            self.drop = SequenceParallelDropout(cfg.dropout, mesh)
+            mark_sequence_parallel(self.wpe.weight, mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shard is None:
+            return super().forward(x)
+        rank, size = self.shard
+        positions = torch.arange(x.shape[1] * size, device=x.device).chunk(size)[rank]
+        return self.drop(x + self.wpe(positions))
+
+
+class TPPipeBlock(PipeBlock):
+    """GPT block `index` split over tp like GPT's: heads and MLP features; per-head dropout
+    streams from an RNGTracker (the same streams GPT's block `index` uses)."""
+
+    def __init__(self, cfg: GPTConfig, mesh, sequence_parallel: bool, index: int, rng_seed: int) -> None:
+        super().__init__(cfg)
+        apply_plan(self, _BLOCK_PLAN, mesh, sequence_parallel=sequence_parallel)
+        device = self.ln_1.weight.device
+        tracker = RNGTracker.for_mesh(rng_seed, mesh, "cpu" if device.type == "meta" else device)
+        local = cfg.n_head // mesh.tp_size
+        self.attn.head_rng = tracker.unit_generators(f"blocks.{index}.attn",
+                                                     range(mesh.tp_rank * local, (mesh.tp_rank + 1) * local))
+        if sequence_parallel:
+            self.attn.resid_drop = SequenceParallelDropout(cfg.dropout, mesh)
+            self.mlp.drop = SequenceParallelDropout(cfg.dropout, mesh)
+            for param in (*self.ln_1.parameters(), *self.ln_2.parameters()):
+                mark_sequence_parallel(param, mesh)
+
+
+class TPFinalNorm(FinalNorm):
+    """`ln_f`; its gradients summed over tp under sequence parallelism."""
+
+    def __init__(self, cfg: GPTConfig, mesh, sequence_parallel: bool) -> None:
+        super().__init__(cfg)
+        if sequence_parallel:
+            for param in self.parameters():
+                mark_sequence_parallel(param, mesh)
+
+
+class TPLMHead(ColumnParallelLinear):
+    """An untied output projection split by vocabulary (padded), the whole sequence in."""
+
+    def __init__(self, cfg: GPTConfig, mesh, sequence_parallel: bool) -> None:
+        super().__init__(cfg.d_model, cfg.vocab_size, mesh, bias=False, sequence_parallel=sequence_parallel,
+                         pad_vocab=True, _full=LMHead(cfg))
+
+
+class VocabParallelLoss:
+    """GPT's mean cross-entropy over logits split by vocabulary across the tp group."""
+
+    def __init__(self, mesh, vocab_size: int) -> None:
+        self.group, self.vocab_size = mesh.tp_group, vocab_size
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits.float(), targets, self.group, vocab_size=self.vocab_size)
+
+
+def _tp_layers(cfg: GPTConfig, mesh, sequence_parallel: bool, rng_seed: int) -> list[LayerSpec]:
+    tp = (mesh, sequence_parallel)
+    if cfg.tie_embeddings:
+        first = TiedLayerSpec("embed", TPTokenEmbedding, cfg, *tp)
+        last = TiedLayerSpec("embed", TPTokenEmbedding, cfg, *tp, forward_fn=tp_tied_logits)
+    else:
+        first, last = LayerSpec(TPTokenEmbedding, cfg, *tp), LayerSpec(TPLMHead, cfg, *tp)
+    blocks = [LayerSpec(TPPipeBlock, cfg, *tp, i, rng_seed) for i in range(cfg.n_layer)]
+    return [first, LayerSpec(TPPositionEmbedding, cfg, *tp), *blocks, LayerSpec(TPFinalNorm, cfg, *tp), last]
+
+
 def gpt_layers(cfg: GPTConfig) -> list[LayerSpec]:
     """The layer list of the reference GPT (see the module docstring)."""
     if cfg.tie_embeddings:
@@ -108,9 +233,27 @@ def gpt_layers(cfg: GPTConfig) -> list[LayerSpec]:
 
 
 def gpt_pipe(cfg: GPTConfig, num_stages: int, partition_method: str = "type:Block", virtual_stages: int = 1,
-             activation_checkpoint_interval: int = 0, stage_id: int | None = None) -> PipelineModule:
-    """The reference GPT as a PipelineModule; the loss is GPT's mean cross-entropy."""
-    return PipelineModule(gpt_layers(cfg), num_stages=num_stages, loss_fn=GPT.loss,
+             activation_checkpoint_interval: int = 0, stage_id: int | None = None, *, mesh=None,
+             sequence_parallel: bool = False, rng_seed: int | None = None) -> PipelineModule:
+    """The reference GPT as a PipelineModule; the loss is GPT's mean cross-entropy.
+
+    With `mesh` (tp > 1) the layers are tensor-parallel over its tp group (see the module
+    docstring); `rng_seed` seeds the per-head dropout streams (default torch.initial_seed()).
+    """
+    if mesh is not None and mesh.tp_size > 1:
+        if cfg.n_head % mesh.tp_size:
+            raise ValueError(f"gpt_pipe: n_head={cfg.n_head} is not divisible by tp={mesh.tp_size}; attention is "
+                             f"split by heads, so choose a tp size that divides {cfg.n_head}")
+        if sequence_parallel and cfg.seq_len % mesh.tp_size:
+            raise ValueError(f"gpt_pipe: seq_len={cfg.seq_len} is not divisible by tp={mesh.tp_size}; sequence "
+                             f"parallelism splits the sequence, so choose a multiple of {mesh.tp_size}")
+        seed = torch.initial_seed() if rng_seed is None else rng_seed
+        layers, loss = _tp_layers(cfg, mesh, sequence_parallel, seed), VocabParallelLoss(mesh, cfg.vocab_size)
+    elif sequence_parallel:
+        raise ValueError("gpt_pipe: sequence_parallel=True needs mesh=<ParallelMesh> with tp > 1")
+    else:
+        layers, loss = gpt_layers(cfg), GPT.loss
+    return PipelineModule(layers, num_stages=num_stages, loss_fn=loss,
                           partition_method=partition_method, virtual_stages=virtual_stages,
                           activation_checkpoint_interval=activation_checkpoint_interval, stage_id=stage_id)
 
@@ -140,12 +283,26 @@ def load_gpt_state_dict(pipe: PipelineModule, gpt_state: dict[str, torch.Tensor]
     to_gpt = {}
     for gpt_key, pipe_key in gpt_names(cfg).items():
         to_gpt.setdefault(pipe_key, gpt_key)
-    own = pipe.state_dict()
+    own = pipe.state_dict(keep_vars=True)
     unknown = sorted(k for k in own if k not in to_gpt)
     if unknown:
         raise KeyError(f"pipeline tensors {unknown[:5]} have no counterpart in GPT; is this module built by "
                        f"gpt_pipe() with the same GPTConfig?")
-    pipe.load_state_dict({k: gpt_state[to_gpt[k]] for k in own})
+    state = {}
+    for k, t in own.items():
+        full = gpt_state[to_gpt[k]]
+        spec = getattr(t, "tp_spec", None) if getattr(t, "tensor_model_parallel", False) else None
+        state[k] = spec.shard(full, _tp_rank_of(pipe, t)) if spec is not None and spec.tp_size > 1 else full
+    pipe.load_state_dict(state)
+
+
+def _tp_rank_of(pipe: PipelineModule, t: torch.Tensor) -> int:
+    """The tp rank of a split tensor of `pipe` (from the layer that holds it)."""
+    for module in pipe.modules():
+        if hasattr(module, "tp_rank") and any(x is t for x in (*module.parameters(recurse=False),
+                                                                *module.buffers(recurse=False))):
+            return module.tp_rank
+    raise ValueError("a tensor-parallel tensor of the pipeline is held by no tensor-parallel layer")
 
 
 def gpt_state_dict(pipe: PipelineModule, cfg: GPTConfig) -> dict[str, torch.Tensor]:
