@@ -2,8 +2,9 @@
 steps 6-10 match an uninterrupted run under B from the same initial weights (fp32, rtol 1e-5).
 
 A layout is (pp, dp, tp, ZeRO stage). Two model families: the reference GPT as a
-PipelineModule (pipeline stages, tied embeddings across stages, tp by name plan) and the plain
-GPT with trident's native tensor parallelism (vocabulary padded to a multiple of tp). The
+PipelineModule (pipeline stages, tied embeddings across stages, tensor-parallel layers with the
+vocabulary padded to a multiple of tp, the tied copy on the last stage a tp-split buffer) and
+the plain GPT with trident's native tensor parallelism. The
 global batch is the same under every layout (8 sequences: micro 2 x accumulation x dp).
 """
 
@@ -19,10 +20,10 @@ from trident.checkpointing.consolidate import get_fp32_state_dict_from_zero_chec
 from trident.checkpointing.reshard import reshard
 from trident.models.gpt import GPT, GPTConfig
 from trident.models.gpt_pipe import gpt_names, gpt_pipe, gpt_state_dict, load_gpt_state_dict
-from trident.tensor_parallel import merge_state_dicts, parallelize, shard_specs
+from trident.tensor_parallel import merge_state_dicts, shard_specs
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import assert_losses_close, assert_state_close
-from tests.parity.test_pp_equivalence import MODEL, TP_PLAN, make_gpt, make_tokens
+from tests.parity.test_pp_equivalence import MODEL, make_gpt, make_tokens
 
 MICRO, GLOBAL, SAVE_AT, STEPS = 2, 8, 5, 10
 
@@ -40,10 +41,8 @@ def _pipe_engine(layout):
     pp, dp, tp, zero = layout
     mesh = cached_mesh(pp=pp, tp=tp)
     cfg = GPTConfig(**MODEL)
-    pipe = gpt_pipe(cfg, pp, partition_method="uniform", stage_id=mesh.pp_rank)
+    pipe = gpt_pipe(cfg, pp, partition_method="uniform", stage_id=mesh.pp_rank, mesh=mesh)
     load_gpt_state_dict(pipe, make_gpt().state_dict(), cfg)
-    if tp > 1:
-        parallelize(pipe, TP_PLAN, mesh)
     engine, *_ = trident.initialize(model=pipe, config=_config(pp, dp, tp, zero), mesh=mesh)
     return engine, mesh
 
@@ -63,8 +62,9 @@ def _pipe_steps(engine, mesh, start: int, stop: int) -> list[float]:
 def _pipe_result(engine, mesh, losses):
     cfg = GPTConfig(**MODEL)
     weights = {k: v.detach().float().clone() for k, v in gpt_state_dict(engine.module, cfg).items()}
-    specs = {g: spec for g, p in gpt_names(cfg).items() for name, spec in shard_specs(engine.module).items()
-             if name == p}
+    split = {name: t.tp_spec for name, t in engine.module.state_dict(keep_vars=True).items()
+             if getattr(t, "tensor_model_parallel", False)}  # tied copies on the last stage are buffers
+    specs = {g: split[p] for g, p in gpt_names(cfg).items() if p in split}
     return losses, weights, specs, (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)
 
 
