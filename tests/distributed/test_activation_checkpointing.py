@@ -11,7 +11,7 @@ import torch
 from trident import checkpointing
 from trident.models.gpt import GPT, GPTConfig
 from trident.testing.distributed import cached_mesh, run_on_ranks
-from tests.unit.test_planner_activations import LiveTensorBytes
+from trident.testing.memory import LiveTensorBytes
 
 CFG = GPTConfig(vocab_size=64, seq_len=32, n_layer=3, n_head=4, d_model=64, dropout=0.1)
 

@@ -13,7 +13,7 @@ from trident.config.errors import ConfigError
 from trident.models.gpt import GPT, GPTConfig
 from trident.planner import model_from_gpt_config
 from trident.planner.memory import layer_activation_bytes
-from tests.unit.test_planner_activations import LiveTensorBytes
+from trident.testing.memory import LiveTensorBytes
 
 CFG = GPTConfig(vocab_size=64, seq_len=32, n_layer=4, n_head=4, d_model=64, dropout=0.1)
 
@@ -94,7 +94,8 @@ def test_is_configured_and_deepspeed_config_values():
     assert not settings.partition_activations
 
 
-def measured_after_forward(cfg: GPTConfig, layers) -> int:
+def measured(cfg: GPTConfig, layers) -> tuple[int, int]:
+    """(bytes kept when backward starts, peak bytes) of one forward/backward, model states excluded."""
     torch.manual_seed(0)
     model = GPT(cfg)
     if layers:
@@ -106,21 +107,22 @@ def measured_after_forward(cfg: GPTConfig, layers) -> int:
         loss = model(idx, idx)
         kept = tracker.live
         loss.backward()
-    return kept
+    return kept, tracker.peak
 
 
 def test_memory_saved_matches_the_planner():
     """With every block checkpointed a block keeps only its input (s b h e); the saving is
     n_layer x (the layer's full activations - its input), the planner's 'full' recompute."""
     cfg = GPTConfig(vocab_size=64, seq_len=64, n_layer=4, n_head=4, d_model=64, dropout=0.0)
-    off = measured_after_forward(cfg, None)
-    on = measured_after_forward(cfg, [r"blocks\.\d+"])
+    off, _ = measured(cfg, None)
+    on, peak = measured(cfg, [r"blocks\.\d+"])
     spec = model_from_gpt_config(cfg)
     kw = dict(act_bytes=4, dropout=False, attention="flash")
     full = layer_activation_bytes(spec, 4, cfg.seq_len, checkpointing="none", **kw)
     kept = layer_activation_bytes(spec, 4, cfg.seq_len, checkpointing="full", **kw)
     assert off - on == pytest.approx(cfg.n_layer * (full - kept), rel=0.05)
     assert on < 0.5 * off
+    assert peak < off
 
 
 @pytest.mark.parametrize("section,path", [({"number_checkpoints": 0}, "activation_checkpointing.number_checkpoints"),

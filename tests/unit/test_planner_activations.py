@@ -12,43 +12,14 @@ is the same count when backward starts: exactly what autograd keeps.
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from trident.models.gpt import GPT, GPTConfig
 from trident.planner import Layout, Workload, model_from_gpt_config
 from trident.planner.memory import activation_memory, layer_activation_bytes
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """Bytes of storages created by operators while active, now and at their peak."""
-
-    def __init__(self, preexisting: set[int]) -> None:
-        super().__init__()
-        self.preexisting, self.alive = preexisting, set()
-        self.live = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key, nbytes = storage.data_ptr(), storage.nbytes()
-                if nbytes and key not in self.alive and key not in self.preexisting:
-                    self.alive.add(key)
-                    self.live += nbytes
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._free, key, nbytes)
-        return out
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self.alive.discard(key)
-        self.live -= nbytes
+from trident.testing.memory import LiveTensorBytes
 
 
 def measure(cfg: GPTConfig, batch: int, math_attention: bool) -> tuple[int, int]:

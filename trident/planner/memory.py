@@ -192,10 +192,14 @@ def activation_memory(model: ModelSpec, layout: Layout, workload: Workload) -> f
     per_layer = layer_activation_bytes(model, checkpointing=layout.activation_checkpointing, **kw)
     layers = stage_layers(model, layout.pp)
     first = layers * per_layer * in_flight_micro_batches(layout, gas)
-    if layout.activation_checkpointing == "full":  # one layer is rebuilt whole during its backward
-        first += layer_activation_bytes(model, checkpointing="none", **kw)
+    # Under full recompute one layer is rebuilt whole during its backward; the head's buffers
+    # are gone by then, so the two peaks do not add up.
+    rebuilt = layer_activation_bytes(model, checkpointing="none", **kw) if layout.activation_checkpointing == "full" \
+        else 0.0
     head = output_activation_bytes(model, layout.micro_batch, workload.seq_len, layout.tp, workload.activation_bytes)
-    return first + head if layout.pp == 1 else max(first, layers * per_layer + head)
+    if layout.pp == 1:
+        return first + max(head, rebuilt)
+    return max(first + rebuilt, layers * per_layer + max(head, rebuilt))
 
 
 def comm_buffer_bytes(model: ModelSpec, layout: Layout, workload: Workload, state: StateBytes) -> float:
