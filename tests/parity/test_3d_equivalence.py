@@ -11,42 +11,20 @@ batch. 2x2x2 needs 8 ranks (marked `eight_ranks`); 1x2x2 and 2x1x2 run on 4.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
 import trident
 from trident.checkpointing import activation
 from trident.models.gpt import GPTConfig
 from trident.models.gpt_pipe import gpt_names, gpt_pipe, gpt_state_dict, load_gpt_state_dict
-from trident.tensor_parallel import merge_state_dicts
 from trident.testing.distributed import cached_mesh, run_on_ranks
-from trident.testing.parity import assert_losses_close, assert_state_close
-from tests.parity.test_pp_equivalence import MODEL, make_gpt, make_tokens
+from tests.parity.test_pp_equivalence import LR, MODEL, make_gpt, make_tokens
+from tests.parity.test_pp_equivalence import check as pp_check
 
 STEPS = 10
 MICRO = 2
 GLOBAL = 8   # sequences per optimizer step under every layout
 CLIP = 0.05
-LR = 3e-3
-
-
-@functools.lru_cache(maxsize=None)
-def serial_reference():
-    model = make_gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    data = make_tokens(GLOBAL)
-    losses = []
-    for step in range(STEPS):
-        batch = data[step * GLOBAL:(step + 1) * GLOBAL]
-        loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def train_3d(pp: int, tp: int, sequence_parallel: bool, recompute: bool):
@@ -85,18 +63,7 @@ def train_3d(pp: int, tp: int, sequence_parallel: bool, recompute: bool):
 
 
 def check(results) -> None:
-    ref_losses, ref_weights = serial_reference()
-    shards: dict[tuple, list] = {}
-    for losses, weights, specs, (pp, dp, tp), _ in results:
-        assert_losses_close(losses, ref_losses, rtol=1e-5)
-        shards.setdefault((pp, dp), []).append((tp, weights, specs))
-    covered = set()
-    for ranks in shards.values():
-        ranks.sort(key=lambda r: r[0])
-        weights = merge_state_dicts([w for _, w, _ in ranks], ranks[0][2]) if len(ranks) > 1 else ranks[0][1]
-        assert_state_close(weights, {k: ref_weights[k] for k in weights}, rtol=1e-5)
-        covered |= weights.keys()
-    assert covered == set(ref_weights)
+    pp_check(results, GLOBAL, CLIP, steps=STEPS)
 
 
 @pytest.mark.eight_ranks

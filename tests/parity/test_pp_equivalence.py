@@ -41,12 +41,12 @@ def make_tokens(global_batch: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def serial_reference(global_batch: int, clip: float):
+def serial_reference(global_batch: int, clip: float, steps: int = STEPS):
     model = make_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     data = make_tokens(global_batch)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         batch = data[step * global_batch:(step + 1) * global_batch]
         loss = model(batch[:, :-1], batch[:, 1:])
         loss.backward()
@@ -103,10 +103,12 @@ def train_pp(pp: int, schedule: str, v: int, micro_batches: int, clip: float, ze
     return losses, weights, specs, (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)
 
 
-def check(results, global_batch: int, clip: float) -> None:
-    ref_losses, ref_weights = serial_reference(global_batch, clip)
+def check(results, global_batch: int, clip: float, steps: int = STEPS) -> None:
+    """Every rank's losses and the merged weights of every (pp, dp) replica against serial.
+    Each result is (losses, weights under GPT's names, tp specs, (pp, dp, tp), ...)."""
+    ref_losses, ref_weights = serial_reference(global_batch, clip, steps)
     shards: dict[tuple, list] = {}
-    for losses, weights, specs, (pp, dp, tp) in results:
+    for losses, weights, specs, (pp, dp, tp), *_ in results:
         assert_losses_close(losses, ref_losses, rtol=1e-5)  # every rank reports the batch's loss
         shards.setdefault((pp, dp), []).append((tp, weights, specs))
     covered = set()
