@@ -10,17 +10,19 @@ What a user can turn on (DeepSpeed's API: `configure(mpu, ...)`, `checkpoint`, `
   already split along the sequence, and trident.initialize leaves partitioning off (with a
   warning) in that case.
 - cpu_checkpointing: the kept inputs live in host memory (pinned when the device is CUDA) and
-  go back to the device for the rerun.
+  go back to the device for the rerun. In a CPU run they are in host memory already and are
+  kept as they are (no copy).
 - contiguous_memory_optimization: the kept inputs are copied into `number_checkpoints`
   preallocated slots reused every step (no fragmentation from many small saved tensors); a
   slot still in use when its turn comes again is an error naming number_checkpoints.
 - synchronize: torch.cuda.synchronize() at each checkpoint boundary (CUDA only).
 - profile: wall time of each forward and each rerun, summed in `profile_timings()`.
 
-The rerun replays randomness exactly: the default CPU (and CUDA) generator, and every
-torch.Generator reachable from the function's modules (the reference GPT's per-head dropout
-streams, `head_rng`, and any `RNGTracker`), are set back to their state at the forward and
-restored afterwards.
+The rerun replays randomness exactly: the default CPU (and CUDA) generator, every
+torch.Generator the function's modules hold (the reference GPT's per-head dropout streams,
+`head_rng`) and every RNGTracker they hold are set back to their state at the forward and
+restored afterwards. A tracker stream created inside the forward cannot be replayed and is
+refused.
 
 Selective checkpointing: `apply_activation_checkpointing(model, layers=[regex, ...], every=k)`
 wraps every k-th submodule whose qualified name matches; PipelineModule's
@@ -36,7 +38,7 @@ import functools
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -58,9 +60,12 @@ class CheckpointSettings:
     profile: bool = False
     timings: dict[str, float] = field(default_factory=lambda: {"forward_s": 0.0, "recompute_s": 0.0, "calls": 0})
     slots: "_Slots | None" = None
+    from_config: bool = False
+    """Made by trident.initialize from a config section (a later initialize without one clears it)."""
 
     @property
     def partition_group(self):
+        """The tp group kept inputs are split over, or None (not partitioning, or tp = 1)."""
         mesh = self.mesh
         if self.partition_activations and mesh is not None and getattr(mesh, "tp_size", 1) > 1:
             return mesh.tp_group
@@ -126,26 +131,26 @@ def checkpoint(function: Callable, *args: Any) -> Any:
     current = settings()
     if not torch.is_grad_enabled():
         return function(*args)
-    generators = _generators(function, args)
     anchor = torch.empty(0, requires_grad=True)  # backward runs even if no input needs grad
-    return _Checkpoint.apply(function, current, generators, anchor, *args)
+    return _Checkpoint.apply(function, current, _Streams(function, args), anchor, *args)
 
 
 class _Checkpoint(torch.autograd.Function):
     """Forward without a graph; backward reruns `function` on the kept inputs."""
 
     @staticmethod
-    def forward(ctx, function, current: CheckpointSettings, generators, anchor, *args):
-        ctx.function, ctx.settings, ctx.generators = function, current, generators
-        ctx.rng = _rng_states(generators)
+    def forward(ctx, function, current: CheckpointSettings, streams: _Streams, anchor, *args):
+        ctx.function, ctx.settings, ctx.streams = function, current, streams
+        ctx.rng = streams.capture()
         _sync(current)
         start = time.perf_counter()
         with torch.no_grad():
             outputs = function(*args)
+        streams.check_no_new_streams(ctx.rng)
         if current.profile:
             current.timings["forward_s"] += time.perf_counter() - start
             current.timings["calls"] += 1
-        ctx.kept = [_keep(a, current) if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.kept = [_Kept(a, current) if isinstance(a, torch.Tensor) else a for a in args]
         ctx.needs = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
         return outputs
 
@@ -163,13 +168,13 @@ class _Checkpoint(torch.autograd.Function):
                 inputs.append(kept)
         ctx.kept = None
         start = time.perf_counter()
-        now = _rng_states(ctx.generators)
-        _set_rng_states(ctx.generators, ctx.rng)
+        now = ctx.streams.capture()
+        ctx.streams.restore(ctx.rng)
         try:
             with torch.enable_grad():
                 outputs = ctx.function(*inputs)
         finally:
-            _set_rng_states(ctx.generators, now)
+            ctx.streams.restore(now)
         if current.profile:
             current.timings["recompute_s"] += time.perf_counter() - start
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -188,7 +193,7 @@ class _Kept:
     """One kept input: possibly this rank's 1/tp piece, possibly on the host, possibly in a slot."""
 
     def __init__(self, t: torch.Tensor, current: CheckpointSettings) -> None:
-        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self.shape, self.device = t.shape, t.device
         data = t.detach()
         group = current.partition_group if t.is_floating_point() else None
         self.group = group
@@ -200,13 +205,14 @@ class _Kept:
             if per * world != self.numel:
                 flat = torch.cat([flat, flat.new_zeros(per * world - self.numel)])
             data = flat[rank * per:(rank + 1) * per].clone()
-        if current.cpu_checkpointing and data.device.type != "cpu":
-            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=torch.cuda.is_available())
-            host.copy_(data, non_blocking=True)
-            data = host
+        to_host = current.cpu_checkpointing and data.device.type != "cpu"
         self.slot = None
-        if current.slots is not None:
-            self.slot, data = current.slots.take(data)
+        if current.slots is not None:  # one copy, straight into the slot (on the host if to_host)
+            self.slot, data = current.slots.take(data, torch.device("cpu") if to_host else data.device)
+        elif to_host:
+            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=torch.cuda.is_available())
+            host.copy_(data, non_blocking=True)  # the rerun's copy back is queued after it
+            data = host
         self.data = data
 
     def restore(self, current: CheckpointSettings) -> torch.Tensor:
@@ -224,10 +230,6 @@ class _Kept:
         return data.view(self.shape)
 
 
-def _keep(t: torch.Tensor, current: CheckpointSettings) -> _Kept:
-    return _Kept(t, current)
-
-
 class _Slots:
     """`number_checkpoints` reusable buffers, taken in turn; each grows to the largest input
     it has held and is reused from then on."""
@@ -237,7 +239,9 @@ class _Slots:
         self.buffers: list[torch.Tensor | None] = [None] * count
         self.busy = [False] * count
 
-    def take(self, data: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def take(self, data: torch.Tensor, device: torch.device) -> tuple[int, torch.Tensor]:
+        """Copy `data` into the next slot (a buffer on `device`, pinned if that is the host of
+        a CUDA machine); returns the slot and the copy."""
         slot = self.next
         if self.busy[slot]:
             raise RuntimeError(f"activation_checkpointing.number_checkpoints={self.count} is too small: slot "
@@ -247,11 +251,12 @@ class _Slots:
         self.next = (slot + 1) % self.count
         buf = self.buffers[slot]
         nbytes = data.numel() * data.element_size()
-        if buf is None or buf.device != data.device or buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=data.device)
+        if buf is None or buf.device != device or buf.numel() < nbytes:
+            pin = device.type == "cpu" and torch.cuda.is_available()
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
             self.buffers[slot] = buf
         view = buf[:nbytes].view(data.dtype).view(data.shape)
-        view.copy_(data)
+        view.copy_(data, non_blocking=True)
         self.busy[slot] = True
         return slot, view
 
@@ -262,46 +267,60 @@ class _Slots:
 # -- randomness ------------------------------------------------------------------------------------
 
 
-def _generators(function: Callable, args: tuple) -> list[torch.Generator]:
-    """Every torch.Generator the function's modules hold (per-head streams, RNG trackers)."""
-    modules, seen, found = [], set(), []
+class _Streams:
+    """Every random stream a checkpointed function can draw from: the default CPU (and CUDA)
+    generator, the torch.Generators its modules hold (the GPT's per-head `head_rng`), and the
+    RNGTrackers they hold (through their public get_states / set_states)."""
+
+    def __init__(self, function: Callable, args: tuple) -> None:
+        self.generators: list[torch.Generator] = []
+        self.trackers: list[RNGTracker] = []
+        seen: set[int] = set()
+        for root in _modules_of(function, args):
+            for module in root.modules():
+                for value in vars(module).values():
+                    for item in value if isinstance(value, (list, tuple)) else (value,):
+                        if isinstance(item, (torch.Generator, RNGTracker)) and id(item) not in seen:
+                            seen.add(id(item))
+                            (self.trackers if isinstance(item, RNGTracker) else self.generators).append(item)
+
+    def capture(self) -> tuple:
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return (torch.get_rng_state(), cuda, [g.get_state() for g in self.generators],
+                [t.get_states() for t in self.trackers])
+
+    def restore(self, states: tuple) -> None:
+        cpu, cuda, generators, trackers = states
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+        for gen, state in zip(self.generators, generators):
+            gen.set_state(state)
+        for tracker, state in zip(self.trackers, trackers):
+            tracker.set_states(state)
+
+    def check_no_new_streams(self, before: tuple) -> None:
+        """A stream an RNGTracker creates inside the forward cannot be replayed (its state at
+        creation is gone by backward): refuse it instead of recomputing different masks."""
+        for tracker, states in zip(self.trackers, before[3]):
+            new = sorted(set(tracker.get_states()) - set(states))
+            if new:
+                raise RuntimeError(f"RNG streams {new} were created inside a checkpointed function, so "
+                                   f"recomputation cannot replay them; create them before the first "
+                                   f"forward (e.g. RNGTracker.unit_generators when building the model)")
+
+
+def _modules_of(function: Callable, args: tuple) -> list[nn.Module]:
+    """The modules a checkpointed call runs: a bound forward's module, a partial's arguments,
+    module arguments, lists of modules (a PipelineModule's run of layers)."""
+    modules = []
     for obj in (function, getattr(function, "__self__", None), getattr(function, "func", None),
                 *getattr(function, "args", ()), *args):
         if isinstance(obj, nn.Module):
             modules.append(obj)
         elif isinstance(obj, (list, tuple)):
             modules += [m for m in obj if isinstance(m, nn.Module)]
-    for root in modules:
-        for module in root.modules():
-            for value in vars(module).values():
-                for gen in _generators_in(value):
-                    if id(gen) not in seen:
-                        seen.add(id(gen))
-                        found.append(gen)
-    return found
-
-
-def _generators_in(value: Any) -> Iterable[torch.Generator]:
-    if isinstance(value, torch.Generator):
-        yield value
-    elif isinstance(value, RNGTracker):
-        yield from value._generators.values()
-    elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Generator):
-        yield from value
-
-
-def _rng_states(generators: list[torch.Generator]) -> tuple:
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda, [g.get_state() for g in generators]
-
-
-def _set_rng_states(generators: list[torch.Generator], states: tuple) -> None:
-    cpu, cuda, streams = states
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda)
-    for gen, state in zip(generators, streams):
-        gen.set_state(state)
+    return modules
 
 
 def _sync(current: CheckpointSettings) -> None:
