@@ -181,3 +181,10 @@ def test_stream_created_inside_a_checkpoint_is_refused():
     layer = TrackerDropout(RNGTracker(seed=3), new_stream="late")
     with pytest.raises(RuntimeError, match=r"RNG streams \['late/0'\] were created inside a checkpointed function"):
         checkpointing.checkpoint(layer, torch.randn(2, 8, requires_grad=True))
+
+
+def test_deepspeed_argument_names_are_accepted():
+    settings = checkpointing.configure(None, contiguous_checkpointing=True, num_checkpoints=2, checkpoint_in_cpu=True)
+    assert settings.contiguous_memory_optimization and settings.number_checkpoints == 2 and settings.cpu_checkpointing
+    with pytest.raises(ValueError, match="given twice"):
+        checkpointing.configure(None, number_checkpoints=3, num_checkpoints=2)

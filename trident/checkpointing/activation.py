@@ -78,11 +78,21 @@ _SETTINGS: CheckpointSettings | None = None
 def configure(mpu_=None, deepspeed_config=None, partition_activations: bool | None = None,
               contiguous_memory_optimization: bool | None = None, cpu_checkpointing: bool | None = None,
               number_checkpoints: int | None = None, synchronize: bool | None = None,
-              profile: bool | None = None) -> CheckpointSettings:
+              profile: bool | None = None, *, contiguous_checkpointing: bool | None = None,
+              num_checkpoints: int | None = None, checkpoint_in_cpu: bool | None = None) -> CheckpointSettings:
     """Set how `checkpoint` keeps inputs. `mpu_` is the ParallelMesh (its tp group partitions
     activations); `deepspeed_config` may be a trident Config (or its activation_checkpointing
-    section) whose values fill the arguments left as None."""
+    section) whose values fill the arguments left as None. DeepSpeed's own argument names
+    (`contiguous_checkpointing`, `num_checkpoints`, `checkpoint_in_cpu`) are accepted too."""
     global _SETTINGS
+    for ours, theirs in ((contiguous_memory_optimization, contiguous_checkpointing),
+                         (number_checkpoints, num_checkpoints), (cpu_checkpointing, checkpoint_in_cpu)):
+        if ours is not None and theirs is not None and ours != theirs:
+            raise ValueError("configure: a setting was given twice with different values (trident's name and "
+                             "DeepSpeed's alias); pass one of them")
+    contiguous_memory_optimization = _first(contiguous_memory_optimization, contiguous_checkpointing)
+    number_checkpoints = _first(number_checkpoints, num_checkpoints)
+    cpu_checkpointing = _first(cpu_checkpointing, checkpoint_in_cpu)
     section = getattr(deepspeed_config, "activation_checkpointing", deepspeed_config)
     values = {
         "partition_activations": partition_activations, "contiguous_memory_optimization":
@@ -103,6 +113,10 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: bool | No
         settings.slots = _Slots(n)
     _SETTINGS = settings
     return settings
+
+
+def _first(value, alias):
+    return value if value is not None else alias
 
 
 def is_configured() -> bool:
