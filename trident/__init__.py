@@ -3,10 +3,11 @@
 Public API: `initialize` (DeepSpeed's signature) returns an `Engine`; `ParallelMesh` holds the
 process groups of a (pp, dp, tp) layout; `load_config` parses a DeepSpeed-style JSON config;
 `zero.Init` / `zero.GatheredParameters` build and edit partitioned models; the ZeRO checkpoint
-consolidation functions carry DeepSpeed's names.
+consolidation functions carry DeepSpeed's names; `checkpointing` is activation checkpointing
+(`configure`, `checkpoint`, `is_configured`, as `deepspeed.checkpointing`).
 """
 
-from trident import zero
+from trident import checkpointing, zero
 from trident.checkpointing import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
 from trident.config import load_config
 from trident.engine.build import initialize
@@ -15,5 +16,5 @@ from trident.parallel.mesh import ParallelMesh
 
 __version__ = "0.1.0"
 
-__all__ = ["initialize", "Engine", "ParallelMesh", "load_config", "zero", "get_fp32_state_dict_from_zero_checkpoint",
+__all__ = ["initialize", "Engine", "ParallelMesh", "load_config", "zero", "checkpointing", "get_fp32_state_dict_from_zero_checkpoint",
            "load_state_dict_from_zero_checkpoint", "__version__"]
