@@ -41,9 +41,11 @@ CASES = [
      "zero_optimization.reduce_bucket_size: expected a positive integer, got 2.5 (float)"),
     ("zero stage 7", {"zero_optimization": {"stage": 7}}, None,
      "zero_optimization.stage: expected one of 0, 1, 2, 3 (the ZeRO stage), got 7"),
-    ("known but unimplemented ZeRO key", {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
-     None, "zero_optimization.offload_optimizer: `zero_optimization.offload_optimizer` is a ZeRO setting "
-           "that this version of trident does not implement; remove it"),
+    ("known but unimplemented ZeRO key", {"zero_optimization": {"stage": 1, "zero_quantized_weights": True}},
+     None, "zero_optimization.zero_quantized_weights: `zero_optimization.zero_quantized_weights` is a ZeRO "
+           "setting that this version of trident does not implement; remove it"),
+    ("optimizer offload without ZeRO", {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+     None, "offload_optimizer.device is 'cpu' but stage is 0; offload_optimizer needs stage >= 1"),
     ("DeepSpeed-only top-level section", {"flops_profiler": {}}, None,
      "flops_profiler: `flops_profiler` is a DeepSpeed setting that this version of trident "
      "does not implement; remove it"),

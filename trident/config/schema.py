@@ -167,6 +167,66 @@ class HostAllocatorConfig(Section):
 
 # -- ZeRO ----------------------------------------------------------------------------------------
 
+class OffloadOptimizerConfig(Section):
+    """`zero_optimization.offload_optimizer`: where the fp32 masters and optimizer states live
+    (ZeRO-Offload). The step runs on the CPU for both `cpu` and `nvme`."""
+
+    device: Literal["none", "cpu", "nvme"] = Field("none", description=(
+        "none = with the parameters; cpu = host memory; nvme = files under nvme_path, swapped in per sub-group."))
+    nvme_path: str | None = Field(None, description="Directory for the swap files (device nvme).")
+    pin_memory: bool = Field(False, description="Page-locked host buffers (faster copies on CUDA).")
+    buffer_count: Count = Field(4, gt=0, description="Sub-group buffers in flight (reads ahead, writes behind).")
+    pipeline_read: bool | None = Field(None, description=(
+        "Read the next sub-group while this one steps (prefetch); null = true. False reads on demand."))
+    pipeline_write: bool | None = Field(None, description=(
+        "Write sub-groups back while the next one steps; null = true. False waits for each write."))
+    fast_init: bool = Field(False, description="DeepSpeed's faster NVMe start-up; accepted, start-up is already lazy.")
+    ratio: float = Field(1.0, ge=0, le=1, description="Fraction of the optimizer offloaded; only 1.0 is supported.")
+
+    @field_validator("ratio")
+    @classmethod
+    def _whole_ratio(cls, ratio: float) -> float:
+        if ratio != 1.0:
+            raise rule_error(f"got {ratio}; trident offloads the whole optimizer: use 1.0 or remove the key")
+        return ratio
+
+
+class OffloadParamConfig(Section):
+    """`zero_optimization.offload_param`: where stage 3's parameter partitions live (ZeRO-Infinity)."""
+
+    device: Literal["none", "cpu", "nvme"] = Field("none", description=(
+        "none = device memory; cpu = host memory; nvme = one file per unit under nvme_path, read before its gather."))
+    nvme_path: str | None = Field(None, description="Directory for the swap files (device nvme).")
+    pin_memory: bool = Field(False, description="Page-locked host buffers (faster copies on CUDA).")
+    buffer_count: Count = Field(5, gt=0, description="Parameter units read ahead of their gather.")
+    buffer_size: Count = Field(100_000_000, gt=0, description="Elements per parameter swap buffer.")
+    max_in_cpu: Count = Field(1_000_000_000, ge=0, description="Elements kept in host memory with device nvme.")
+
+
+class AioConfig(Section):
+    """`aio`: the asynchronous file I/O used by NVMe offload (DeepSpeed's libaio settings; trident
+    uses a thread pool with positioned reads and writes)."""
+
+    block_size: Count = Field(1_048_576, gt=0, description="Bytes per read or write call.")
+    queue_depth: Count = Field(8, gt=0, description="Requests in flight per thread.")
+    thread_count: Count = Field(1, gt=0, description="I/O threads (DeepSpeed's intra_op_parallelism).")
+    intra_op_parallelism: Count | None = Field(None, gt=0, description="DeepSpeed's newer name of thread_count.")
+    single_submit: bool = Field(False, description="Submit requests one at a time instead of in batches.")
+    overlap_events: bool = Field(True, description="Overlap submitting and completing requests.")
+    use_gds: bool = Field(False, description="GPUDirect Storage; not available, must be false.")
+
+    @field_validator("use_gds")
+    @classmethod
+    def _no_gds(cls, use_gds: bool) -> bool:
+        if use_gds:
+            raise rule_error("GPUDirect Storage is not supported by trident; set aio.use_gds to false")
+        return use_gds
+
+    @property
+    def threads(self) -> int:
+        return self.intra_op_parallelism or self.thread_count
+
+
 class ZeroConfig(Section):
     """`zero_optimization`: which model states are partitioned over the data-parallel ranks.
 
@@ -205,6 +265,22 @@ class ZeroConfig(Section):
         "Stage 3: parameters with at most this many elements are kept whole on every rank."))
     stage3_gather_16bit_weights_on_model_save: bool = Field(False, description=(
         "Stage 3: save_16bit_model gathers the full weights; false leaves it to the consolidate tool."))
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig, description=(
+        "Stages 1-3: fp32 masters and optimizer states in host memory or on NVMe; the step on the CPU."))
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig, description=(
+        "Stage 3: parameter partitions in host memory or on NVMe."))
+
+    @model_validator(mode="after")
+    def _offload_needs_stage(self) -> ZeroConfig:
+        for key, section, first in (("offload_optimizer", self.offload_optimizer, 1),
+                                    ("offload_param", self.offload_param, 3)):
+            if section.device != "none" and self.stage < first:
+                raise rule_error(f"{key}.device is {section.device!r} but stage is {self.stage}; {key} needs "
+                                 f"stage >= {first}: raise the stage or set {key}.device to 'none'")
+            if section.device == "nvme" and not section.nvme_path:
+                raise rule_error(f"{key}.device is 'nvme' but {key}.nvme_path is not set; give a directory "
+                                 "on a fast local disk")
+        return self
 
     def inapplicable_keys(self) -> list[str]:
         """Keys set away from their defaults that have no effect at this stage (DeepSpeed
@@ -256,8 +332,6 @@ class PipelineConfig(Section):
         "Micro-batches per step; null = gradient_accumulation_steps (they are the same thing)."))
 
 
-# -- parameter server ----------------------------------------------------------------------------
-
 class ActivationCheckpointingConfig(Section):
     """Recompute layers in backward instead of keeping their activations (DeepSpeed's section,
     plus `layers` / `every` to choose which modules trident.initialize wraps)."""
@@ -277,6 +351,20 @@ class ActivationCheckpointingConfig(Section):
         "empty = none wrapped by trident (the model may call trident.checkpointing.checkpoint itself)."))
     every: int = Field(1, gt=0, description="Checkpoint every k-th module matching `layers` (selective).")
 
+    @field_validator("layers")
+    @classmethod
+    def _valid_regexes(cls, layers: list[str]) -> list[str]:
+        import re  # only here: the one regex-valued key of the schema
+        for pattern in layers:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise rule_error(f"{pattern!r} is not a valid regular expression ({err}); write module-name "
+                                 f"patterns like \"blocks\\\\.\\\\d+\"") from None
+        return layers
+
+
+# -- parameter server ----------------------------------------------------------------------------
 
 class ParameterServerConfig(Section):
     """`parameter_server`: servers hold the parameters and run the optimizer; workers compute
@@ -365,6 +453,7 @@ class TridentConfig(Section):
     host_allocator: HostAllocatorConfig = Field(default_factory=HostAllocatorConfig, description=(
         "glibc malloc thresholds on CPU runs."))
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stages 0-3.")
+    aio: AioConfig = Field(default_factory=AioConfig, description="File I/O of NVMe offload.")
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig, description=(
         "Tensor parallelism."))
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Pipeline parallelism.")
@@ -415,7 +504,7 @@ SYNONYMS = frozenset(path for path in DEPRECATED_ALIASES
 
 ZERO_UNIMPLEMENTED_KEYS = frozenset({
     "use_multi_rank_bucket_allreduce", "allgather_partitions",
-    "load_from_fp32_weights", "elastic_checkpoint", "offload_param", "offload_optimizer", "zenflow",
+    "load_from_fp32_weights", "elastic_checkpoint", "zenflow",
     "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
     "model_persistence_threshold", "stage3_model_persistence_threshold",
     "module_granularity_threshold",
@@ -429,7 +518,7 @@ ZERO_UNIMPLEMENTED_KEYS = frozenset({
 })
 
 _DEEPSPEED_ONLY_TOP_LEVEL = frozenset({
-    "aio", "amp", "autotuning", "comet", "communication_data_type",
+    "amp", "autotuning", "comet", "communication_data_type",
     "compile", "compression_training", "curriculum_learning", "data_efficiency", "data_types",
     "dataloader_drop_last", "disable_allgather", "dump_state", "eigenvalue", "elasticity", "flops_profiler",
     "gradient_allreduce_op", "graph_harvesting", "hybrid_engine", "log_level", "managed_gradient_accumulation",

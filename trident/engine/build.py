@@ -146,16 +146,22 @@ def _resume(engine: Engine, loader, path: str) -> None:
 
 
 def _configure_activation_checkpointing(cfg, model, mesh) -> None:
-    """`activation_checkpointing`: settings for every checkpoint() call, and the modules to wrap."""
+    """`activation_checkpointing`: settings for every checkpoint() call, and the modules to wrap.
+    Without DeepSpeed's keys in the section, settings the user made with
+    trident.checkpointing.configure stay, and those an earlier initialize made are cleared."""
     from trident import checkpointing
+    from trident.checkpointing.activation import settings
     ac = cfg.activation_checkpointing
     partition = ac.partition_activations
     if partition and cfg.tensor_parallel.sequence_parallel:
         logger.warning("activation_checkpointing.partition_activations is ignored with "
                        "tensor_parallel.sequence_parallel: layer inputs are already split along the sequence")
         partition = False
-    if ac != type(ac)() or checkpointing.is_configured():
-        checkpointing.configure(mesh, deepspeed_config=ac, partition_activations=partition)
+    selective = {"layers", "every"}
+    if ac.model_dump(exclude=selective) != type(ac)().model_dump(exclude=selective):
+        checkpointing.configure(mesh, deepspeed_config=ac, partition_activations=partition).from_config = True
+    elif settings().from_config:
+        checkpointing.reset()
     if ac.layers:
         checkpointing.apply_activation_checkpointing(model, ac.layers, ac.every)
 
@@ -176,7 +182,7 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
     optimizer = _make_optimizer(optimizer, model_parameters, params, None, cfg)
     names = {id(p): n for n, p in model.named_parameters()}
     strategy = ZeroOptimizer(zero.stage, optimizer, names, mesh, zero, dtype, cfg.gradient_predivide_factor,
-                             cfg.prescale_gradients, comms_logger, model=model)
+                             cfg.prescale_gradients, comms_logger, model=model, aio=cfg.aio)
     return None, strategy, optimizer
 
 
@@ -243,6 +249,9 @@ def _log_startup(engine: Engine, device: torch.device) -> None:
     mem = engine.memory_breakdown()
     logger.info("model states per rank: %s (optimizer states appear after the first step)",
                 ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()))
+    if hasattr(engine.reducer, "placement_bytes"):
+        logger.info("model states per rank by placement: %s", ", ".join(
+            f"{k} {format_bytes(v)}" for k, v in engine.reducer.placement_bytes().items()))
     predicted = _predicted_model_states(engine)
     if predicted is not None:
         logger.info("model states per rank, theory (trident.planner): %s; total %s",

@@ -264,6 +264,15 @@ class Engine(BatchGetters, torch.nn.Module):
         with GatheredParameters(list(self.module.parameters())):
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
+    def destroy(self) -> None:
+        """Release what outlives a step: offload swap files and I/O threads (DeepSpeed's name;
+        also run at interpreter exit). The engine cannot train afterwards."""
+        close = getattr(self.reducer, "close", None)
+        if close is not None:
+            close()
+
+    close = destroy
+
     # -- checkpoints -----------------------------------------------------------------------
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:

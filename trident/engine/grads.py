@@ -28,10 +28,25 @@ def global_norm_parts(parts: Parts) -> float:
     total = 0.0
     for tensors, groups in parts:
         tensors = list(tensors)
-        sq = (torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in tensors]).square().sum()
+        sq = (torch.stack([_norm(g) for g in tensors]).square().sum()
               if tensors else torch.zeros((), dtype=torch.float32)).reshape(1)
         for group in groups:
             collectives.all_reduce(sq, group=group)
         total += float(sq.item())
     return math.sqrt(total)
 
+
+
+NORM_CHUNK = 1 << 22
+"""Elements converted to fp32 at a time for a 16-bit gradient's norm: a whole-partition fp32 copy
+would be 2x the gradient's own bytes (ZeRO-Infinity runs near their memory limit)."""
+
+
+def _norm(g: torch.Tensor) -> torch.Tensor:
+    """The fp32 L2 norm of `g`, converting at most NORM_CHUNK elements at a time."""
+    if g.dtype == torch.float32 or g.numel() <= NORM_CHUNK:
+        return torch.linalg.vector_norm(g, dtype=torch.float32)
+    flat = g.reshape(-1)
+    parts = [torch.linalg.vector_norm(flat[i:i + NORM_CHUNK], dtype=torch.float32)
+             for i in range(0, flat.numel(), NORM_CHUNK)]
+    return torch.linalg.vector_norm(torch.stack(parts))

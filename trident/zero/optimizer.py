@@ -16,14 +16,25 @@ has a `ShardedLayout` (trident.zero.partition) and:
 
 After the step, stages 1-2 all-gather the updated shards so every rank has whole parameters
 again (in groups of about `allgather_bucket_size` elements); stage 3 does not.
+
+`offload_optimizer` (trident.zero.offload) decides where the masters and optimizer states
+live: with the parameters, in host memory (the step on the CPU), or in one NVMe swap file per
+sub-group, read in (and the next one read ahead) around that sub-group's step. Offloaded
+masters are always separate fp32 copies, also in fp32 training. Stage 3's `offload_param`
+keeps the parameter partition in host memory (cpu) or in one swap file per unit (nvme,
+`param_store`, trident.zero.nvme.ParamSwapper): the step then writes the updated shards into
+the files. `placement_bytes()` says where the model states are; `close()` removes swap files
+(also done at exit).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from trident.comm import collectives
 from trident.comm.logger import CommsLogger
@@ -31,6 +42,7 @@ from trident.zero.partition import ShardedLayout, bucketed_groups, layout_from_g
 from trident.comm.buckets import GradScaling
 from trident.zero.stage1 import FullGradients
 from trident.zero.stage2 import ShardedGradients
+from trident.zero.offload import make_param_store, make_placement
 from trident.zero.stage3 import Stage3Coordinator, build_partition, module_units
 
 
@@ -57,7 +69,7 @@ class ZeroOptimizer:
 
     def __init__(self, stage: int, optimizer: torch.optim.Optimizer, named_params: dict[int, str], mesh,
                  zero_cfg, dtype: torch.dtype, predivide_factor: float, prescale: bool,
-                 logger: CommsLogger | None, model: torch.nn.Module | None = None) -> None:
+                 logger: CommsLogger | None, model: torch.nn.Module | None = None, aio=None) -> None:
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError("the optimizer passed to trident.initialize already has state; pass a fresh "
                              "optimizer (or its config) so ZeRO can partition its state")
@@ -67,7 +79,13 @@ class ZeroOptimizer:
         self.world, self.rank = mesh.dp_size, mesh.dp_rank
         self.scaling = GradScaling(self.world, predivide_factor, prescale)
         self.groups: list[PartitionGroup] = []
+        self.sub_groups: list[tuple[PartitionGroup, int, int]] = []  # (group, first chunk, end chunk)
         self.coordinator = None
+        aio = aio if aio is not None else _default_aio()
+        global_rank = dist.get_rank() if dist.is_initialized() else 0
+        estimate = _partition_estimate(optimizer, self.world)
+        self.placement = make_placement(zero_cfg, aio, optimizer, global_rank, estimate)
+        self.param_store = make_param_store(zero_cfg, aio, dtype, global_rank, estimate) if stage == 3 else None
         stage3_units = uses = None
         if stage == 3:
             stage3_units, uses = module_units(model)
@@ -107,8 +125,8 @@ class ZeroOptimizer:
         if self.stage < 3:
             self._flatten_params(pg)
         else:
-            build_partition(pg, self.rank, self.world, self.dtype)
-            self._make_masters(pg, [self._shard_of(pg, u.index) for u in pg.layout.units])
+            self._make_masters(pg, build_partition(pg, self.rank, self.world, self.dtype, len(self.groups),
+                                                   self.cfg, self.param_store))
         self._make_grads(pg)
         return pg
 
@@ -133,16 +151,27 @@ class ZeroOptimizer:
         lo, hi = pg.layout.units[u].shard_range(self.rank)
         return pg.flat[pg.unit_starts[u] + lo:pg.unit_starts[u] + hi]
 
-    def _make_masters(self, pg: PartitionGroup, shards: list[torch.Tensor]) -> None:
-        """fp32 master chunks of this rank's shards, at most `sub_group_size` elements each."""
+    def _make_masters(self, pg: PartitionGroup, shards) -> None:
+        """fp32 master chunks of this rank's shards, at most `sub_group_size` elements each,
+        grouped into sub-groups of at most `sub_group_size` elements (a larger chunk alone),
+        each handed to the placement as soon as it is complete."""
         size = self.cfg.sub_group_size
+        first, total = 0, 0
         for u, shard in enumerate(shards):
             for start in range(0, max(shard.numel(), 1), size):
                 end = min(start + size, shard.numel())
-                piece = shard[start:end]
-                data = piece if piece.dtype == torch.float32 else piece.detach().float().clone()
-                pg.masters.append(torch.nn.Parameter(data))
+                if len(pg.masters) > first and total + (end - start) > size:
+                    self._close_sub_group(pg, first)
+                    first, total = len(pg.masters), 0
+                pg.masters.append(torch.nn.Parameter(self.placement.make_master(shard[start:end])))
                 pg.chunks.append((u, start, end))
+                total += end - start
+        if len(pg.masters) > first:
+            self._close_sub_group(pg, first)
+
+    def _close_sub_group(self, pg: PartitionGroup, first: int) -> None:
+        self.sub_groups.append((pg, first, len(pg.masters)))
+        self.placement.adopt(len(self.sub_groups) - 1, pg.masters[first:])
 
     def _make_grads(self, pg: PartitionGroup) -> None:
         overlap = self.cfg.overlap_comm
@@ -153,7 +182,11 @@ class ZeroOptimizer:
         if self.stage == 2:
             buckets = [[u.index] for u in pg.layout.units]
         else:
-            buckets = [[u.index for u in units] for units in _group_units(pg.layout, self.cfg.reduce_bucket_size)]
+            # Stage 3's units follow the modules' forward order; backward produces their gradients
+            # in reverse, and buckets launch strictly in list order: list them last-module first,
+            # or every bucket's staging buffer would wait for the first module's gradients.
+            buckets = [[u.index for u in units]
+                       for units in _group_units(pg.layout, self.cfg.reduce_bucket_size)][::-1]
         pg.grads = ShardedGradients(pg.params, pg.layout, buckets, self.group, self.dtype, overlap,
                                     self.cfg.contiguous_gradients, self.scaling, self.logger,
                                     on_unit_ready=functools.partial(self._unit_ready, pg),
@@ -216,38 +249,32 @@ class ZeroOptimizer:
     def optimizer_step(self, grad_coef: float) -> None:
         """Step the partitions sub-group by sub-group, with gradients multiplied by `grad_coef`
         (1 / loss scale, times the clipping factor), then bring the parameters up to date."""
-        size = self.cfg.sub_group_size
+        flats = {id(pg): pg.grads.flat() for pg in self.groups} if self.stage > 1 else {}
+        for s, (pg, k, j) in enumerate(self.sub_groups):
+            self.placement.fetch(s)
+            self.placement.prefetch(s + 1)
+            grads = [self._grad_of_chunk(pg, i, flats.get(id(pg))) for i in range(k, j)]
+            for i, g in zip(range(k, j), self.placement.step_grads(grads, grad_coef)):
+                pg.masters[i].grad = g
+            self.optimizer.step()
+            for i in range(k, j):
+                pg.masters[i].grad = None
+            self._write_shards(pg, k, j)
+            self.placement.evict(s)
+        self.placement.drain()
         for pg in self.groups:
-            flat = pg.grads.flat() if self.stage > 1 else None
-            k = 0
-            while k < len(pg.masters):
-                j, total = k, 0
-                while j < len(pg.masters) and (j == k or total + pg.masters[j].numel() <= size):
-                    total += pg.masters[j].numel()
-                    j += 1
-                for i in range(k, j):
-                    g = self._grad_of_chunk(pg, i, flat)
-                    g = g.float() if g.dtype != torch.float32 else g  # a temporary of one sub-group
-                    if grad_coef != 1.0:
-                        g.mul_(grad_coef)  # the gradient partition is rewritten next window anyway
-                    pg.masters[i].grad = g
-                self.optimizer.step()
-                for i in range(k, j):
-                    pg.masters[i].grad = None
-                k = j
-            self._sync_params(pg)
+            if self.stage < 3:
+                self._all_gather_units(pg)
         if self.coordinator is not None:
             self.coordinator.refresh_persistent()
 
-    def _sync_params(self, pg: PartitionGroup) -> None:
-        """Write the updated masters back into the (16-bit) parameter shards and, for stages
-        1-2, all-gather them so every rank holds whole parameters again."""
-        for (u, start, end), m in zip(pg.chunks, pg.masters):
-            target = self._shard_of(pg, u)[start:end]
-            if target.data_ptr() != m.data_ptr():
-                target.copy_(m)
-        if self.stage < 3:
-            self._all_gather_units(pg)
+    def _write_shards(self, pg: PartitionGroup, k: int, j: int) -> None:
+        """Copy masters k..j-1 (resident) into the (16-bit) parameter shards (or their swap files)."""
+        for (u, start, end), m in zip(pg.chunks[k:j], pg.masters[k:j]):
+            if self.param_store is not None:
+                self.param_store.write_range((self.groups.index(pg), u), start, m)
+            else:
+                self.placement.copy_back(self._shard_of(pg, u)[start:end], m)
 
     def _shard_of(self, pg: PartitionGroup, u: int) -> torch.Tensor:
         if self.stage < 3:
@@ -291,11 +318,17 @@ class ZeroOptimizer:
     @torch.no_grad()
     def reload_masters(self) -> None:
         """Reset the fp32 masters from the parameters' shards (after they were changed in place)."""
-        for pg in self.groups:
-            for (u, start, end), m in zip(pg.chunks, pg.masters):
-                source = self._shard_of(pg, u)[start:end]
+        for s, (pg, k, j) in enumerate(self.sub_groups):
+            self.placement.fetch(s)
+            for (u, start, end), m in zip(pg.chunks[k:j], pg.masters[k:j]):
+                if self.param_store is not None:
+                    source = self.param_store.read_range((self.groups.index(pg), u), start, end)
+                else:
+                    source = self._shard_of(pg, u)[start:end]
                 if source.data_ptr() != m.data_ptr():
                     m.copy_(source)
+            self.placement.evict(s)
+        self.placement.drain()
 
     # -- accounting and state ----------------------------------------------------------------
 
@@ -305,29 +338,69 @@ class ZeroOptimizer:
         for pg in self.groups:
             if pg.flat is not None:
                 params += pg.flat.numel() * pg.flat.element_size()
-            if pg.partition is not None:
-                params += pg.partition.numel() * pg.partition.element_size()
-                params += self.coordinator.live_numel_of(pg) * pg.partition.element_size()
+            if self.stage == 3:
+                if pg.partition is not None and self.cfg.offload_param.device == "none":
+                    params += pg.partition.numel() * pg.partition.element_size()
+                params += self.coordinator.live_numel_of(pg) * self.dtype.itemsize
             if isinstance(pg.grads, FullGradients):
                 grads += pg.grads.buffer.numel() * pg.grads.buffer.element_size()
             else:
                 grads += pg.grads.nbytes()
-            for m in pg.masters:
-                if self.dtype != torch.float32:  # fp32 masters are separate copies only then
-                    states += m.numel() * 4
-                for t in self.optimizer.state.get(m, {}).values():
-                    if isinstance(t, torch.Tensor) and t.dim() > 0:
-                        states += t.numel() * t.element_size()
+            # fp32 masters are separate copies only in 16-bit training (or when offloaded)
+            states += self.placement.placement(pg.masters, self.dtype != torch.float32)["device"]
         return {"parameters": params, "gradients": grads, "optimizer_states": states}
 
+    def placement_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's model states in device memory, host memory and on NVMe."""
+        where = {"device": sum(self.memory_breakdown().values()), "host": 0, "nvme": 0}
+        if self.param_store is not None:
+            where["nvme"] += self.param_store.bytes_on_disk()
+        elif self.stage == 3 and self.cfg.offload_param.device == "cpu":
+            where["host"] += sum(pg.partition.numel() * pg.partition.element_size() for pg in self.groups)
+        if self.placement.device != "none":
+            masters = [m for pg in self.groups for m in pg.masters]
+            for k, v in self.placement.placement(masters, True).items():
+                where[k] += v
+        return where
+
+    def close(self) -> None:
+        """Remove swap files and stop I/O threads (NVMe offload); idempotent."""
+        self.placement.close()
+        if self.param_store is not None:
+            self.param_store.close()
+
     def state_dict(self) -> dict:
-        """This rank's partition: layouts, fp32 masters and the optimizer state over them."""
+        """This rank's partition: layouts, fp32 masters and the optimizer state over them
+        (read back sub-group by sub-group from NVMe when offloaded there)."""
+        if self.placement.device == "nvme":
+            return self._swapped_state_dict()
         return {
             "stage": self.stage, "dp_world_size": self.world, "dp_rank": self.rank,
             "groups": [{"opt_group": pg.opt_group, "tp_sharded": pg.tp_sharded, "names": pg.names,
                         "layout": pg.layout.describe(), "chunks": [list(c) for c in pg.chunks],
                         "masters": [m.detach().clone() for m in pg.masters]} for pg in self.groups],
             "optimizer": self.optimizer.state_dict(),
+        }
+
+    def _swapped_state_dict(self) -> dict:
+        optimizer = self.optimizer.state_dict()
+        index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        masters: dict[int, torch.Tensor] = {}
+        for s, (pg, k, j) in enumerate(self.sub_groups):
+            self.placement.fetch(s)
+            for m in pg.masters[k:j]:
+                masters[id(m)] = m.detach().clone()
+                if m in self.optimizer.state:
+                    optimizer["state"][index[id(m)]] = {
+                        key: t.clone() if isinstance(t, torch.Tensor) else t
+                        for key, t in self.optimizer.state[m].items()}
+            self.placement.evict(s, dirty=False)
+        return {
+            "stage": self.stage, "dp_world_size": self.world, "dp_rank": self.rank,
+            "groups": [{"opt_group": pg.opt_group, "tp_sharded": pg.tp_sharded, "names": pg.names,
+                        "layout": pg.layout.describe(), "chunks": [list(c) for c in pg.chunks],
+                        "masters": [masters[id(m)] for m in pg.masters]} for pg in self.groups],
+            "optimizer": optimizer,
         }
 
     @torch.no_grad()
@@ -341,13 +414,25 @@ class ZeroOptimizer:
             if saved["names"] != pg.names or [list(c) for c in pg.chunks] != saved["chunks"]:
                 raise ValueError("this ZeRO checkpoint's partition does not match the model (different "
                                  "parameters, bucket sizes or sub_group_size); consolidate it and load the weights")
-            for m, t in zip(pg.masters, saved["masters"]):
-                m.copy_(t)
-            self._sync_params(pg)
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state["optimizer"])  # in memory until evicted below
+        loaded = {id(m): dict(self.optimizer.state.get(m, {})) for pg in self.groups for m in pg.masters}
+        saved_masters = {id(m): t for pg, saved in zip(self.groups, state["groups"])
+                         for m, t in zip(pg.masters, saved["masters"])}
+        for s, (pg, k, j) in enumerate(self.sub_groups):
+            self.placement.fetch(s)
+            for m in pg.masters[k:j]:
+                m.copy_(saved_masters[id(m)])
+                if load_optimizer_states:
+                    self.optimizer.state[m].update(loaded[id(m)])
+            self._write_shards(pg, k, j)
+            self.placement.evict(s)
+        self.placement.drain()
+        for pg in self.groups:
+            if self.stage < 3:
+                self._all_gather_units(pg)
         if self.coordinator is not None:
             self.coordinator.refresh_persistent()
-        if load_optimizer_states:
-            self.optimizer.load_state_dict(state["optimizer"])
 
 
 def _group_units(layout: ShardedLayout, size: int, padded: bool = False) -> list[list]:
@@ -363,3 +448,16 @@ def _group_units(layout: ShardedLayout, size: int, padded: bool = False) -> list
     if current:
         groups.append(current)
     return groups
+
+
+def _default_aio():
+    from trident.config.schema import AioConfig
+
+    return AioConfig()
+
+
+def _partition_estimate(optimizer: torch.optim.Optimizer, world: int) -> int:
+    """Elements of this rank's partition, before the layout exists (checks free disk space)."""
+    total = sum(math.prod(getattr(p, "_trident_shape", p.shape)) for g in optimizer.param_groups
+                for p in g["params"] if p.requires_grad)
+    return -(-total // world)

@@ -12,7 +12,8 @@ A bucket is one or more consecutive units (stage 2: one unit of about `reduce_bu
 elements; stage 3: the modules' units, grouped up to `reduce_bucket_size`). Its staging
 buffer is [N, sum of the units' shards]: column block u holds unit u, row r its shard r, so one
 reduce-scatter delivers to rank r exactly its shards of all the units, which sit side by side in
-its partition.
+its partition. At most `MAX_IN_FLIGHT` reductions are outstanding: launching another first
+finishes the oldest, so the staging buffers alive during backward are bounded by a few buckets.
 
 `contiguous_gradients` (on by default) accumulates into one preallocated partition buffer; off,
 each bucket's shard is kept as its own tensor, allocated as it arrives and joined at the step.
@@ -29,6 +30,11 @@ from trident.comm import collectives
 from trident.comm.logger import CommsLogger
 from trident.zero.partition import ShardedLayout, Unit
 from trident.comm.buckets import GradScaling
+
+
+MAX_IN_FLIGHT = 2
+"""Bucket reductions outstanding at once: the third launch waits for the first, so only a few
+staging buffers (each a whole bucket) are alive during backward, not every bucket's."""
 
 
 class ShardedGradients:
@@ -154,6 +160,21 @@ class ShardedGradients:
             out = staging[self.rank]
         self._handles.append((b, handle, out))
         self._next += 1
+        while len(self._handles) > MAX_IN_FLIGHT:  # bound the staging buffers alive during backward
+            self._complete(*self._handles.pop(0))
+
+    def _complete(self, b: int, handle, out: torch.Tensor) -> None:
+        """Wait for bucket b's reduction and add this rank's shard into the partition."""
+        handle.wait()
+        self.scaling.after(out)
+        lo, hi = self.bucket_range(b)
+        if self.contiguous:
+            target = self.partition[lo:hi]
+            target.copy_(out) if self._fresh else target.add_(out)
+        elif self._fresh or b not in self._pieces:
+            self._pieces[b] = out if self.use_reduce_scatter else out.clone()  # not a view of staging
+        else:
+            self._pieces[b].add_(out)
 
     # -- engine-facing ---------------------------------------------------------------------
 
@@ -174,16 +195,7 @@ class ShardedGradients:
         while self._next < len(self.buckets):
             self._launch(self._next)
         for b, handle, out in self._handles:
-            handle.wait()
-            self.scaling.after(out)
-            lo, hi = self.bucket_range(b)
-            if self.contiguous:
-                target = self.partition[lo:hi]
-                target.copy_(out) if self._fresh else target.add_(out)
-            elif self._fresh or b not in self._pieces:
-                self._pieces[b] = out if self.use_reduce_scatter else out.clone()  # not a view of staging
-            else:
-                self._pieces[b].add_(out)
+            self._complete(b, handle, out)
         self._fresh = False
         self._reset()
 
@@ -193,7 +205,8 @@ class ShardedGradients:
             if self.partition is None:
                 self.partition = torch.zeros(self.layout.partition_numel, dtype=self.dtype, device=self.device)
             return self.partition
-        self.partition = torch.cat([self._pieces[b] for b in range(len(self.buckets))])
+        order = sorted(range(len(self.buckets)), key=lambda b: self.bucket_range(b)[0])  # partition order
+        self.partition = torch.cat([self._pieces[b] for b in order])
         self._pieces = {}
         return self.partition
 

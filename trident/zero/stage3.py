@@ -19,12 +19,19 @@ Units whose parameters are all at most `stage3_param_persistence_threshold` elem
 norms, biases) stay whole on every rank; only their gradients and optimizer states are
 partitioned, and they are re-gathered after each step.
 
+Offload (`offload_param`): with device cpu the partition lives in (pinned) host memory and
+each shard is copied to the device just before its all-gather; with device nvme each unit's
+shard lives in its own swap file (trident.zero.nvme.ParamSwapper), read before the gather,
+read ahead along the recorded trace (up to `offload_param.buffer_count` units), and dropped
+once the gather has it; the step writes updated shards back into the files.
+
 A parameter shared by two modules (tied embeddings) belongs to the unit of the first module in
 `named_modules()` order; every module that holds it gathers that unit.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -66,6 +73,7 @@ class Stage3Coordinator:
         self.keys_of = {m: sorted({key_of_param[id(p)] for p in ps if id(p) in key_of_param})
                         for m, ps in uses.items()}
         self.keys_of = {m: k for m, k in self.keys_of.items() if k}
+        self.device = next(pg.params[0].device for pg in zero.groups)
         threshold = self.cfg.stage3_param_persistence_threshold
         self.persistent = {key for key, (pg, u) in self.units.items()
                            if all(s.numel <= threshold for s in u.slots)}
@@ -82,6 +90,9 @@ class Stage3Coordinator:
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(m.register_forward_hook(self._post_forward))
         self._hooks.append(model.register_forward_hook(self._on_root_done))
+        for m in self.keys_of:
+            if type(m) is torch.nn.Linear:
+                m.forward = functools.partial(_linear_forward, m)  # see _Stage3Linear
         for key in self.units:
             self._release(key, force=True)
         self.refresh_persistent()
@@ -108,10 +119,7 @@ class Stage3Coordinator:
             self._launch_batch(small)
 
     def _launch_batch(self, keys: list[_Key]) -> None:
-        shards = []
-        for key in keys:
-            pg, unit = self.units[key]
-            shards.append(pg.partition[unit.partition_offset:unit.partition_offset + unit.shard])
+        shards = [self._shard(key) for key in keys]
         if len(keys) == 1:
             mine = shards[0]
             out = torch.empty(self.units[keys[0]][1].padded, dtype=mine.dtype, device=mine.device)
@@ -123,9 +131,21 @@ class Stage3Coordinator:
             handle = None
         else:
             handle = collectives.all_gather(out, mine, group=self.group, async_op=True, logger=self.zero.logger)
-        batch = _Gather(keys, out, handle)
+        batch = _Gather(keys, out, handle, mine)
         for key in keys:
             self.pending[key] = batch
+
+    def _shard(self, key: _Key) -> torch.Tensor:
+        """This rank's shard of a unit on the parameters' device: read from its swap file
+        (offload_param nvme), copied from host memory (cpu), or a view of the partition."""
+        pg, unit = self.units[key]
+        if self.zero.param_store is not None:
+            shard = self.zero.param_store.take(key)
+        else:
+            shard = pg.partition[unit.partition_offset:unit.partition_offset + unit.shard]
+        if shard.device != self.device:
+            shard = shard.to(self.device, non_blocking=True)
+        return shard
 
     def _wait(self, key: _Key) -> None:
         batch = self.pending.get(key)
@@ -181,7 +201,10 @@ class Stage3Coordinator:
             if write_back:
                 pg, unit = self.units[key]
                 lo, hi = unit.shard_range(self.rank)
-                pg.partition[unit.partition_offset:unit.partition_offset + unit.shard].copy_(self.full[key][lo:hi])
+                if self.zero.param_store is not None:
+                    self.zero.param_store.write_range(key, 0, self.full[key][lo:hi])
+                else:
+                    pg.partition[unit.partition_offset:unit.partition_offset + unit.shard].copy_(self.full[key][lo:hi])
             self._release(key)
         if write_back:
             self.zero.reload_masters()
@@ -240,8 +263,15 @@ class Stage3Coordinator:
 
     def _prefetch(self, start: int) -> None:
         """Start gathering the units of the next modules in the recorded order, as one
-        collective, within the prefetch budget and the live-parameter limit."""
+        collective, within the prefetch budget and the live-parameter limit (and, with
+        offload_param nvme, reading the shards of the ones after them)."""
         budget = self.cfg.stage3_prefetch_bucket_size
+        if budget == 0:
+            return
+        self._launch(self._units_ahead(start, budget))
+        self._read_ahead(start)
+
+    def _units_ahead(self, start: int, budget: int) -> list[_Key]:
         live = self.live_numel()
         ahead: list[_Key] = []
         for m in self.trace[start:]:
@@ -250,12 +280,24 @@ class Stage3Coordinator:
                     continue
                 n = self.numel(key)
                 if n > budget or live + n > self.cfg.stage3_max_live_parameters:
-                    self._launch(ahead)
-                    return
+                    return ahead
                 ahead.append(key)
                 budget -= n
                 live += n
-        self._launch(ahead)
+        return ahead
+
+    def _read_ahead(self, start: int) -> None:
+        """offload_param nvme: start reading the shards of the units after the ones being
+        gathered, in trace order, up to the store's `buffer_count`."""
+        store = self.zero.param_store
+        if store is None:
+            return
+        for m in self.trace[start:]:
+            for key in self.keys_of[m]:
+                if key in self.full or key in self.pending:
+                    continue
+                if not store.prefetch(key):
+                    return
 
     def _reused_soon(self, key: _Key, pos: int | None) -> bool:
         if pos is None or pos >= len(self._next_use):
@@ -290,10 +332,36 @@ class Stage3Coordinator:
 class _Gather:
     """All-gathers in flight: the units, the output buffer and the collective's handle."""
 
-    __slots__ = ("keys", "out", "handle")
+    __slots__ = ("keys", "out", "handle", "source")
 
-    def __init__(self, keys: list[_Key], out: torch.Tensor, handle) -> None:
-        self.keys, self.out, self.handle = keys, out, handle
+    def __init__(self, keys: list[_Key], out: torch.Tensor, handle, source: torch.Tensor) -> None:
+        self.keys, self.out, self.handle, self.source = keys, out, handle, source  # source: alive until done
+
+
+class _Stage3Linear(torch.autograd.Function):
+    """`F.linear` that saves the weight Parameter itself for backward. Autograd's own linear
+    saves the transposed weight, a view that would keep every released unit's storage alive
+    until backward; the Parameter's data is empty between forward and backward instead, and
+    backward reads the re-gathered weight (the module's units are gathered before it runs)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_w = flat.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def _linear_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _Stage3Linear.apply(x, module.weight, module.bias)
 
 
 class _GatherBeforeBackward(torch.autograd.Function):
@@ -325,19 +393,30 @@ def _wrap_outputs(output, coordinator, module):
 
 
 @torch.no_grad()
-def build_partition(pg, rank: int, world: int, dtype: torch.dtype) -> None:
-    """Fill `pg.partition` with this rank's shard of every unit, from whole parameters (or from
-    the shards `trident.zero.Init` left on them), one unit at a time."""
+def build_partition(pg, rank: int, world: int, dtype: torch.dtype, gi: int, zero_cfg, store=None):
+    """Yield this rank's shard of every unit, built from whole parameters (or from the shards
+    `trident.zero.Init` left on them), one unit at a time. The shards are views of
+    `pg.partition` (on the device, or in host memory with `offload_param.device` cpu); with an
+    NVMe `store` each shard is a temporary handed to the store, and `pg.partition` stays None."""
     from trident.zero.init import full_data
+    from trident.zero.offload import host_partition
 
     layout = pg.layout
     device = pg.params[0].device
-    pg.partition = torch.zeros(layout.partition_numel, dtype=dtype, device=device)
+    if store is None:
+        pg.partition = host_partition(layout.partition_numel, dtype, device, zero_cfg)
     for unit in layout.units:
         lo, hi = unit.shard_range(rank)
-        target = pg.partition[unit.partition_offset:unit.partition_offset + unit.shard]
+        if store is None:
+            target = pg.partition[unit.partition_offset:unit.partition_offset + unit.shard]
+        else:
+            target = torch.zeros(unit.shard, dtype=dtype)
         # Every parameter of the unit, on every rank: gathering zero.Init shards is collective.
         whole = {s.index: full_data(pg.params[s.index]).reshape(-1) for s in unit.slots}
         for slot, a, b in unit.pieces(rank):
             start = slot.offset + a - lo
             target[start:start + (b - a)].copy_(whole[slot.index][a:b])
+        del whole
+        if store is not None:
+            store.create((gi, unit.index), target)
+        yield target
