@@ -213,7 +213,7 @@ def _make_optimizer(optimizer, model_parameters, params, master: MasterWeights |
         return optimizer(targets)
     if optimizer is not None:
         raise TypeError(f"optimizer= must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}")
-    return build_optimizer(cfg.optimizer, targets)
+    return build_optimizer(cfg.optimizer, targets, offload=cfg.zero_optimization.offload_optimizer.device != "none")
 
 
 def _retarget_param_groups(groups: list, mapping: dict) -> list:

@@ -8,8 +8,11 @@ worth knowing:
 * Unset `weight_decay` is 0 (FusedAdam's default); with `torch_adam: true` DeepSpeed hands the
   params to torch.optim instead, so an unset weight_decay is torch's own (0.01 for AdamW).
 
-trident always runs torch.optim's implementations: fused kernels when every parameter is on a
-GPU, the multi-tensor (foreach) path otherwise. Lion has no torch.optim version; `Lion` below is
+trident always runs torch.optim's implementations: fused kernels when every parameter is on one
+kind of device (GPU, or CPU: torch's fused CPU kernels are 5-7x faster than its foreach path there,
+bench/cpu_optimizer.py), the multi-tensor (foreach) path otherwise. Under ZeRO-Offload
+(`zero_optimization.offload_optimizer.device` cpu or nvme) Adam / AdamW are built as
+trident.optim.cpu_adam.CPUAdam, with DeepSpeedCPUAdam's signature. Lion has no torch.optim version; `Lion` below is
 its short reference form.
 """
 
@@ -184,8 +187,9 @@ def resolve_optimizer_config(cfg: OptimizerConfig) -> OptimizerConfig:
     return OptimizerConfig(type=kind.name, params=params)
 
 
-def build_optimizer(cfg: OptimizerConfig | None, params: Iterable) -> torch.optim.Optimizer:
-    """Build the optimizer a config section describes over `params` (tensors or param groups)."""
+def build_optimizer(cfg: OptimizerConfig | None, params: Iterable, offload: bool = False) -> torch.optim.Optimizer:
+    """Build the optimizer a config section describes over `params` (tensors or param groups);
+    `offload`: the step runs on the CPU (ZeRO-Offload), Adam-family types become CPUAdam."""
     if cfg is None:
         raise ConfigError([ConfigIssue("optimizer", (
             "no optimizer: pass optimizer= to trident.initialize, or add an `optimizer` section to the "
@@ -194,7 +198,19 @@ def build_optimizer(cfg: OptimizerConfig | None, params: Iterable) -> torch.opti
     if issues:
         raise ConfigError(issues)
     params = [dict(g, params=_as_list(g["params"])) if isinstance(g, dict) else g for g in params]
+    if offload and kind.name in ("Adam", "AdamW"):
+        return _cpu_adam(kind.name, params, p)
     return kind.build(params, p, _implementation(params))
+
+
+def _cpu_adam(name: str, params: list, p: AdamParams) -> torch.optim.Optimizer:
+    from trident.monitor.log import logger
+    from trident.optim.cpu_adam import CPUAdam
+    decoupled = name == "AdamW" or p.adam_w_mode
+    opt = CPUAdam(params, lr=p.lr, betas=p.betas, eps=p.eps, amsgrad=p.amsgrad, adamw_mode=decoupled,
+                  weight_decay=_adam_weight_decay(p, decoupled))
+    logger.info("offload_optimizer: %s runs as trident.optim.CPUAdam (torch's fused CPU kernel)", name)
+    return opt
 
 
 def _validate(type_name: Any, params: dict) -> tuple[_Kind | None, Any, list[ConfigIssue]]:
@@ -229,8 +245,9 @@ def _as_list(group_params: Any) -> list:
 
 
 def _implementation(params: list) -> dict:
-    """Fused kernels when every tensor is on a GPU; the multi-tensor (foreach) path otherwise."""
+    """Fused kernels when every tensor is on a GPU or every one on the CPU; the multi-tensor
+    (foreach) path for a mix."""
     tensors = [t for g in params for t in (g["params"] if isinstance(g, dict) else [g])]
-    if tensors and all(t.is_cuda for t in tensors):
+    if tensors and (all(t.is_cuda for t in tensors) or all(t.device.type == "cpu" for t in tensors)):
         return {"fused": True}
     return {"foreach": True}
