@@ -15,7 +15,8 @@ import pytest
 import trident
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import assert_losses_close, assert_state_close
-from tests.parity.test_dp_equivalence import LR, make_model, make_tokens, mean_losses
+from tests.parity.test_dp_equivalence import LR, make_model, mean_losses
+from tests.distributed.test_zero import resume_and_train
 
 
 def nvme_config(path: str, micro: int, stage: int = 3, param: str = "nvme") -> dict:
@@ -34,20 +35,7 @@ def train_and_checkpoint(swap: str, root: str, steps: int, save_at: int | None, 
     micro = 8 // mesh.dp_size
     engine, *_ = trident.initialize(model=make_model(), config=nvme_config(swap, micro), mesh=mesh)
     try:
-        start = 0
-        if resume:
-            engine.load_checkpoint(root)
-            start = engine.global_steps
-        data = make_tokens(8)
-        losses = []
-        for step in range(start, steps):
-            s = step * 8 + mesh.dp_rank * micro
-            batch = data[s:s + micro]
-            engine.backward(engine(batch[:, :-1], batch[:, 1:]))
-            engine.step()
-            losses.append(engine.last_loss)
-            if save_at is not None and engine.global_steps == save_at:
-                engine.save_checkpoint(root)
+        losses = resume_and_train(engine, mesh, micro, root, steps, save_at, resume)
         return losses, {k: v.float() for k, v in engine.consolidated_state_dict().items()}
     finally:
         engine.reducer.close()

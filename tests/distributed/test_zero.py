@@ -93,13 +93,10 @@ def first_mean(results) -> list[float]:
     return mean_losses([r[:2] for r in results])
 
 
-def train_and_checkpoint(stage: int, root: str, steps: int, save_at: int | None, resume: bool):
-    mesh = cached_mesh()
-    micro = 8 // mesh.dp_size  # global batch 8 whatever the layout
-    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 0.05, "steps_per_print": 0,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 100}}
-    engine, *_ = trident.initialize(model=make_model(), config=cfg, mesh=mesh)
+def resume_and_train(engine, mesh, micro: int, root: str, steps: int, save_at: int | None,
+                     resume: bool) -> list[float]:
+    """Load the latest checkpoint under `root` (if `resume`), train to `steps` on this rank's share
+    of 8 sequences per step, saving at step `save_at`; the losses of the steps run."""
     start = 0
     if resume:
         engine.load_checkpoint(root)
@@ -114,6 +111,17 @@ def train_and_checkpoint(stage: int, root: str, steps: int, save_at: int | None,
         losses.append(engine.last_loss)
         if save_at is not None and engine.global_steps == save_at:
             engine.save_checkpoint(root)
+    return losses
+
+
+def train_and_checkpoint(stage: int, root: str, steps: int, save_at: int | None, resume: bool):
+    mesh = cached_mesh()
+    micro = 8 // mesh.dp_size  # global batch 8 whatever the layout
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 0.05, "steps_per_print": 0,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 100}}
+    engine, *_ = trident.initialize(model=make_model(), config=cfg, mesh=mesh)
+    losses = resume_and_train(engine, mesh, micro, root, steps, save_at, resume)
     saved_16bit = engine.save_16bit_model(root, "model16.safetensors")
     return losses, {k: v.float() for k, v in engine.consolidated_state_dict().items()}, saved_16bit
 

@@ -261,6 +261,11 @@ class ZeroOptimizer:
                 pg.masters[i].grad = None
             self._write_shards(pg, k, j)
             self.placement.evict(s)
+        self._finish_update()
+
+    def _finish_update(self) -> None:
+        """After every sub-group was updated: offload writes finished, stages 1-2 re-gather the
+        whole parameters, stage 3 refreshes its persistent (unpartitioned) ones."""
         self.placement.drain()
         for pg in self.groups:
             if self.stage < 3:
@@ -427,12 +432,7 @@ class ZeroOptimizer:
                     self.optimizer.state[m].update(loaded[id(m)])
             self._write_shards(pg, k, j)
             self.placement.evict(s)
-        self.placement.drain()
-        for pg in self.groups:
-            if self.stage < 3:
-                self._all_gather_units(pg)
-        if self.coordinator is not None:
-            self.coordinator.refresh_persistent()
+        self._finish_update()
 
 
 def _group_units(layout: ShardedLayout, size: int, padded: bool = False) -> list[list]:
