@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import queue
 import resource
 import socket
 import statistics
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def free_port() -> int:
@@ -73,3 +75,27 @@ def rotated(systems: Sequence[str], repeat: int) -> list[str]:
     """The systems in the order of one repeat: shifted by one each repeat, so no order bias."""
     k = repeat % len(systems)
     return list(systems[k:]) + list(systems[:k])
+
+
+def run_ranks(target: Callable, world: int, args: tuple, what: str) -> list:
+    """Start `world` fresh spawned processes `target(rank, port, *args, out)` and return what each
+    puts on `out`; a rank that dies stops the others and raises, naming `what`."""
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = []
+    while len(results) < world:
+        try:
+            results.append(out.get(timeout=2))
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"a worker failed ({what}); its traceback is above")
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            raise RuntimeError(f"a worker exited with {p.exitcode} ({what})")
+    return results

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import statistics
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from _common import free_port, peak_rss_bytes, rotated, start_rank, timed_steps, token_batches
+from _common import peak_rss_bytes, rotated, run_ranks, start_rank, timed_steps, token_batches
 
 MODEL = dict(vocab_size=4096, seq_len=256, n_layer=8, n_head=8, d_model=256, dropout=0.0, bias=False)
 MICRO = 8
@@ -73,22 +71,7 @@ def _worker(rank: int, port: int, mode: str, steps: int, out) -> None:
 
 
 def run_once(mode: str, steps: int) -> tuple[float, int, int, int]:
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, mode, steps, out)) for r in range(TP)]
-    for p in procs:
-        p.start()
-    results = []
-    while len(results) < TP:
-        try:
-            results.append(out.get(timeout=2))
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"a worker failed in mode {mode!r}; its traceback is above")
-    for p in procs:
-        p.join()
+    results = run_ranks(_worker, TP, (mode, steps), f"mode {mode!r}")
     return (max(r[1] for r in results), max(r[2] for r in results), max(r[3] for r in results),
             max(r[4] for r in results))
 

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import statistics
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from _common import free_port, peak_rss_bytes, rotated, start_rank, timed_steps, token_batches
+from _common import peak_rss_bytes, rotated, run_ranks, start_rank, timed_steps, token_batches
 
 MODEL = dict(vocab_size=8192, seq_len=128, n_layer=4, n_head=8, d_model=256, tie_embeddings=False, bias=True)
 MICRO = 4
@@ -114,7 +112,7 @@ def expected_trident_bytes(world: int) -> int:
     return 4 * total
 
 
-def _worker(rank: int, world: int, port: int, system: str, sp: bool, steps: int, out) -> None:
+def _worker(rank: int, port: int, world: int, system: str, sp: bool, steps: int, out) -> None:
     start_rank(rank, world, port)
     sys.stdout = open(os.devnull, "w")
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -142,25 +140,7 @@ def _worker(rank: int, world: int, port: int, system: str, sp: bool, steps: int,
 
 def run_once(system: str, world: int, sp: bool, steps: int) -> tuple[float, int, int, float]:
     """Fresh processes: slowest rank's median step seconds, largest peak RSS, largest parameter bytes."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, system, sp, steps, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = []
-    while len(results) < world:
-        try:
-            results.append(out.get(timeout=2))
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"a {system} worker failed (tp={world}, sp={sp}); its traceback is above")
-    for p in procs:
-        p.join()
-        if p.exitcode != 0:
-            raise RuntimeError(f"{system} worker exited with {p.exitcode}")
+    results = run_ranks(_worker, world, (world, system, sp, steps), f"{system}, tp={world}, sp={sp}")
     return (max(r[1] for r in results), max(r[2] for r in results), max(r[3] for r in results),
             next(r[4] for r in results if r[0] == 0))
 

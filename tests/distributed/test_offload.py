@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 
 import trident
 from trident.testing.distributed import cached_mesh, run_on_ranks
@@ -131,7 +130,6 @@ def _peak_rss(cfg: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
 def test_peak_rss_drops_by_the_bytes_sent_to_nvme(tmp_path):
     zero = {"stage": 3, "sub_group_size": 250_000, "reduce_bucket_size": 1_000_000,
             "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1_000_000,

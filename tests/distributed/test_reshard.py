@@ -19,7 +19,7 @@ import trident
 from trident.checkpointing.consolidate import get_fp32_state_dict_from_zero_checkpoint
 from trident.checkpointing.reshard import reshard
 from trident.models.gpt import GPT, GPTConfig
-from trident.models.gpt_pipe import gpt_names, gpt_pipe, gpt_state_dict, load_gpt_state_dict
+from trident.models.gpt_pipe import gpt_pipe, gpt_shard_specs, gpt_state_dict, load_gpt_state_dict
 from trident.tensor_parallel import merge_state_dicts, shard_specs
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import assert_losses_close, assert_state_close
@@ -62,10 +62,7 @@ def _pipe_steps(engine, mesh, start: int, stop: int) -> list[float]:
 def _pipe_result(engine, mesh, losses):
     cfg = GPTConfig(**MODEL)
     weights = {k: v.detach().float().clone() for k, v in gpt_state_dict(engine.module, cfg).items()}
-    split = {name: t.tp_spec for name, t in engine.module.state_dict(keep_vars=True).items()
-             if getattr(t, "tensor_model_parallel", False)}  # tied copies on the last stage are buffers
-    specs = {g: split[p] for g, p in gpt_names(cfg).items() if p in split}
-    return losses, weights, specs, (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)
+    return losses, weights, gpt_shard_specs(engine.module, cfg), (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)
 
 
 def pipe_run(layout, root: str | None, mode: str):

@@ -16,7 +16,7 @@ import pytest
 import trident
 from trident.checkpointing import activation
 from trident.models.gpt import GPTConfig
-from trident.models.gpt_pipe import gpt_names, gpt_pipe, gpt_state_dict, load_gpt_state_dict
+from trident.models.gpt_pipe import gpt_pipe, gpt_shard_specs, gpt_state_dict, load_gpt_state_dict
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from tests.parity.test_pp_equivalence import LR, MODEL, make_gpt, make_tokens
 from tests.parity.test_pp_equivalence import check as pp_check
@@ -55,9 +55,7 @@ def train_3d(pp: int, tp: int, sequence_parallel: bool, recompute: bool):
         micro = [(mine[k:k + MICRO, :-1], mine[k:k + MICRO, 1:]) for k in range(0, len(mine), MICRO)]
         losses.append(float(engine.train_batch(iter(micro))))
     weights = {k: v.detach().float().clone() for k, v in gpt_state_dict(pipe, cfg).items()}
-    split = {name: t.tp_spec for name, t in pipe.state_dict(keep_vars=True).items()
-             if getattr(t, "tensor_model_parallel", False)}  # tied copies on the last stage are buffers
-    specs = {g: split[p] for g, p in gpt_names(cfg).items() if p in split}
+    specs = gpt_shard_specs(pipe, cfg)
     partitioned = activation.settings().partition_group is not None
     return losses, weights, specs, (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), partitioned
 

@@ -17,8 +17,8 @@ import torch
 import trident
 from trident.engine.pipeline_engine import PipelineEngine
 from trident.models.gpt import GPT, GPTConfig
-from trident.models.gpt_pipe import gpt_names, gpt_pipe, gpt_state_dict, load_gpt_state_dict
-from trident.tensor_parallel import merge_state_dicts, parallelize, shard_specs
+from trident.models.gpt_pipe import gpt_pipe, gpt_shard_specs, gpt_state_dict, load_gpt_state_dict
+from trident.tensor_parallel import merge_state_dicts, parallelize
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import assert_losses_close, assert_state_close
 
@@ -99,8 +99,7 @@ def train_pp(pp: int, schedule: str, v: int, micro_batches: int, clip: float, ze
         losses.append(float(engine.train_batch(iter(micro))))
     assert engine.global_steps == STEPS and engine.micro_steps == STEPS * micro_batches
     weights = {k: v.detach().float().clone() for k, v in gpt_state_dict(pipe, cfg).items()}
-    specs = {g: spec for g, p in gpt_names(cfg).items() for name, spec in shard_specs(pipe).items() if name == p}
-    return losses, weights, specs, (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)
+    return losses, weights, gpt_shard_specs(pipe, cfg), (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)
 
 
 def check(results, global_batch: int, clip: float, steps: int = STEPS) -> None:

@@ -32,7 +32,7 @@ from trident.models.gpt import GPT, Block, GPTConfig
 from trident.parallel.rng import RNGTracker
 from trident.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from trident.tensor_parallel import (SequenceParallelDropout, VocabParallelEmbedding, mark_sequence_parallel,
-                                     vocab_parallel_cross_entropy)
+                                     shard_specs, vocab_parallel_cross_entropy)
 from trident.tensor_parallel.layers import ColumnParallelLinear
 from trident.tensor_parallel.mappings import (SEQUENCE_DIM, copy_to_tp_region,
                                               gather_from_sequence_parallel_region)
@@ -303,6 +303,12 @@ def _tp_rank_of(pipe: PipelineModule, t: torch.Tensor) -> int:
                                                                 *module.buffers(recurse=False))):
             return module.tp_rank
     raise ValueError("a tensor-parallel tensor of the pipeline is held by no tensor-parallel layer")
+
+
+def gpt_shard_specs(pipe: PipelineModule, cfg: GPTConfig) -> dict:
+    """This stage's tensor-parallel ShardSpecs under GPT's state_dict keys (for merge_state_dicts)."""
+    split = shard_specs(pipe)
+    return {gpt_key: split[pipe_key] for gpt_key, pipe_key in gpt_names(cfg).items() if pipe_key in split}
 
 
 def gpt_state_dict(pipe: PipelineModule, cfg: GPTConfig) -> dict[str, torch.Tensor]:

@@ -79,9 +79,10 @@ class ShardSpec:
 
 
 def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
-    """The ShardSpec of every tp-split parameter of `model`, by state-dict name (tied names too)."""
-    return {name: p.tp_spec for name, p in model.named_parameters(remove_duplicate=False)
-            if getattr(p, "tensor_model_parallel", False)}
+    """The ShardSpec of every tp-split tensor of `model`, by state-dict name (tied names too, and
+    buffers that hold a split weight, such as a pipeline stage's copy of a tied embedding)."""
+    return {name: t.tp_spec for name, t in model.state_dict(keep_vars=True).items()
+            if getattr(t, "tensor_model_parallel", False)}
 
 
 def split_state_dict(full: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpec],
