@@ -18,7 +18,8 @@ from trident.checkpointing import activation
 from trident.models.gpt import GPTConfig
 from trident.models.gpt_pipe import gpt_pipe, gpt_shard_specs, gpt_state_dict, load_gpt_state_dict
 from trident.testing.distributed import cached_mesh, run_on_ranks
-from tests.parity.test_pp_equivalence import LR, MODEL, make_gpt, make_tokens
+from tests.parity.test_pp_equivalence import OPT_LR, SGD_CLIP, MODEL, make_gpt, make_tokens
+from trident.testing.parity import optimizer_section
 from tests.parity.test_pp_equivalence import check as pp_check
 
 STEPS = 10
@@ -27,9 +28,10 @@ GLOBAL = 8   # sequences per optimizer step under every layout
 CLIP = 0.05
 
 
-def train_3d(pp: int, tp: int, sequence_parallel: bool, recompute: bool):
+def train_3d(pp: int, tp: int, sequence_parallel: bool, recompute: bool, optimizer: str = "adamw"):
     """Runs on every rank: dp = world / (pp tp). Returns losses, this rank's weights under GPT's
-    names, their tp specs and the rank's (pp, dp, tp) coordinates."""
+    names, their tp specs, the rank's (pp, dp, tp) coordinates, the gradient norms and whether the
+    checkpointed inputs were partitioned."""
     mesh = cached_mesh(pp=pp, tp=tp)
     cfg = GPTConfig(**MODEL)
     pipe = gpt_pipe(cfg, pp, partition_method="uniform", stage_id=mesh.pp_rank, mesh=mesh,
@@ -38,8 +40,8 @@ def train_3d(pp: int, tp: int, sequence_parallel: bool, recompute: bool):
     gas = GLOBAL // (MICRO * mesh.dp_size)
     config = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-        "gradient_clipping": CLIP, "steps_per_print": 0,
+        "optimizer": optimizer_section(optimizer, OPT_LR[optimizer]),
+        "gradient_clipping": SGD_CLIP if optimizer == "sgd" else CLIP, "steps_per_print": 0,
         "zero_optimization": {"stage": 1},
         "pipeline": {"stages": pp, "schedule": "1f1b", "partition_method": "uniform"},
         "tensor_parallel": {"size": tp, "sequence_parallel": sequence_parallel},
@@ -48,20 +50,21 @@ def train_3d(pp: int, tp: int, sequence_parallel: bool, recompute: bool):
     }
     engine, *_ = trident.initialize(model=pipe, config=config, mesh=mesh)
     data = make_tokens(GLOBAL)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         first = step * GLOBAL + mesh.dp_rank * MICRO * gas
         mine = data[first:first + MICRO * gas]
         micro = [(mine[k:k + MICRO, :-1], mine[k:k + MICRO, 1:]) for k in range(0, len(mine), MICRO)]
         losses.append(float(engine.train_batch(iter(micro))))
+        norms.append(engine.get_global_grad_norm())
     weights = {k: v.detach().float().clone() for k, v in gpt_state_dict(pipe, cfg).items()}
     specs = gpt_shard_specs(pipe, cfg)
     partitioned = activation.settings().partition_group is not None
-    return losses, weights, specs, (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), partitioned
+    return losses, weights, specs, (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), norms, partitioned
 
 
-def check(results) -> None:
-    pp_check(results, GLOBAL, CLIP, steps=STEPS)
+def check(results, optimizer: str = "adamw") -> None:
+    pp_check(results, GLOBAL, SGD_CLIP if optimizer == "sgd" else CLIP, steps=STEPS, optimizer=optimizer)
 
 
 @pytest.mark.eight_ranks
@@ -74,5 +77,11 @@ def test_smaller_3d_layouts_match_serial(pp, tp, sp):
     """1x2x2: dp 2 x tp 2 on one stage, sequence parallel; 2x1x2: two stages of tp 2, no data
     parallelism, the checkpointed layer inputs partitioned over tp (replicated without SP)."""
     results = run_on_ranks(4, train_3d, pp, tp, sp, True)
-    assert all(r[4] != sp for r in results)  # partitioned exactly when the inputs are replicated over tp
+    assert all(r[5] != sp for r in results)  # partitioned exactly when the inputs are replicated over tp
     check(results)
+
+
+@pytest.mark.parametrize("pp,tp,sp", [(1, 2, True), (2, 2, False)], ids=["1x2x2-sp", "2x1x2"])
+def test_3d_sgd_with_active_clipping_matches_serial_norm_for_norm(pp, tp, sp):
+    """ZeRO-1 shards over dp, tp slices, stages and the tied table: each element counted once."""
+    check(run_on_ranks(4, train_3d, pp, tp, sp, True, "sgd"), "sgd")

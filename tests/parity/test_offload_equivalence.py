@@ -13,7 +13,7 @@ import pytest
 import trident
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import assert_losses_close, assert_state_close
-from tests.parity.test_dp_equivalence import mean_losses, serial_reference, train_steps, make_model
+from tests.parity.test_dp_equivalence import SGD_CLIP, check_clipped, make_model, mean_losses, serial_reference, train_steps
 from tests.parity.test_zero_equivalence import zero_config
 
 
@@ -27,17 +27,18 @@ def offload_sections(optimizer: str, param: str, path: str) -> dict:
     return out
 
 
-def train_offloaded(stage: int, optimizer: str, param: str, path: str):
+def train_offloaded(stage: int, optimizer: str, param: str, path: str, update: str = "adamw"):
     mesh = cached_mesh()
-    cfg = zero_config(stage, 4, 1, 0.05, **offload_sections(optimizer, param, path))
+    clip = SGD_CLIP if update == "sgd" else 0.05
+    cfg = zero_config(stage, 4, 1, clip, update, **offload_sections(optimizer, param, path))
     engine, _, _, _ = trident.initialize(model=make_model(), config=cfg, mesh=mesh)
     try:
-        losses = train_steps(engine, mesh, 4, 1)
+        losses, norms = train_steps(engine, mesh, 4, 1)
         weights = {k: v.float() for k, v in engine.consolidated_state_dict().items()}
         placed = engine.reducer.placement_bytes()
     finally:
         engine.reducer.close()
-    return losses, weights, placed
+    return losses, weights, norms, placed
 
 
 @pytest.mark.parametrize("stage,optimizer,param", [
@@ -45,13 +46,23 @@ def train_offloaded(stage: int, optimizer: str, param: str, path: str):
     (2, "nvme", "none"), (3, "nvme", "none"), (3, "nvme", "nvme"),
 ])
 def test_offload_matches_serial(stage, optimizer, param, tmp_path):
-    ref_losses, ref_weights = serial_reference(8, 0.05)
+    ref = serial_reference(8, 0.05)
     results = run_on_ranks(2, train_offloaded, stage, optimizer, param, str(tmp_path))
-    assert_losses_close(mean_losses([(losses, w) for losses, w, _ in results]), ref_losses, rtol=1e-5)
-    for _, weights, placed in results:
-        assert_state_close(weights, ref_weights, rtol=1e-5)
+    assert_losses_close(mean_losses(results), ref.losses, rtol=1e-5)
+    for _, weights, _, placed in results:
+        assert_state_close(weights, ref.weights, rtol=1e-5)
         if optimizer == "nvme" or param == "nvme":
             assert placed["nvme"] > 0
         else:
             assert placed["host"] > 0 and placed["nvme"] == 0
     assert list(tmp_path.iterdir()) == []  # swap files and locks removed by close()
+
+
+@pytest.mark.parametrize("stage,optimizer,param", [(2, "cpu", "none"), (3, "nvme", "nvme")])
+def test_offload_sgd_with_active_clipping_matches_serial_norm_for_norm(stage, optimizer, param, tmp_path):
+    ref = serial_reference(8, SGD_CLIP, "sgd")
+    results = run_on_ranks(2, train_offloaded, stage, optimizer, param, str(tmp_path), "sgd")
+    check_clipped(results, ref)
+    assert_losses_close(mean_losses(results), ref.losses, rtol=1e-5)
+    for _, weights, _, _ in results:
+        assert_state_close(weights, ref.weights, rtol=1e-5)

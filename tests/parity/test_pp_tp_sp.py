@@ -18,7 +18,8 @@ from trident.models.gpt import GPT, GPTConfig
 from trident.models.gpt_pipe import gpt_pipe, gpt_shard_specs, gpt_state_dict, load_gpt_state_dict
 from trident.tensor_parallel import merge_state_dicts
 from trident.testing.distributed import cached_mesh, run_on_ranks
-from tests.parity.test_pp_equivalence import LR, MODEL, check, make_gpt, make_tokens
+from tests.parity.test_pp_equivalence import OPT_LR, SGD_CLIP, MODEL, check, make_gpt, make_tokens
+from trident.testing.parity import optimizer_section
 
 STEPS = 6
 MICRO = 2
@@ -26,9 +27,10 @@ MICRO_BATCHES = 4
 CLIP = 0.05  # active on most steps: a tied or tp-split weight counted wrongly changes every update
 
 
-def train_pp_tp(pp: int, tp: int, sequence_parallel: bool):
+def train_pp_tp(pp: int, tp: int, sequence_parallel: bool, optimizer: str = "adamw"):
     """Runs on every rank (dp = 1): returns losses, this rank's weights under GPT's names, their
-    tp specs, (pp, dp, tp), and the shape of the activation the first stage passes on."""
+    tp specs, (pp, dp, tp), the gradient norms and the shape of the activation the first stage
+    passes on."""
     mesh = cached_mesh(pp=pp, tp=tp)
     cfg = GPTConfig(**MODEL)
     pipe = gpt_pipe(cfg, pp, partition_method="uniform", stage_id=mesh.pp_rank, mesh=mesh,
@@ -41,20 +43,21 @@ def train_pp_tp(pp: int, tp: int, sequence_parallel: bool):
             sent = tuple(pipe.run_chunk(0, data[:MICRO, :-1]).shape)
     config = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": MICRO_BATCHES,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-        "gradient_clipping": CLIP, "steps_per_print": 0,
+        "optimizer": optimizer_section(optimizer, OPT_LR[optimizer]),
+        "gradient_clipping": SGD_CLIP if optimizer == "sgd" else CLIP, "steps_per_print": 0,
         "pipeline": {"stages": pp, "schedule": "1f1b", "partition_method": "uniform"},
         "tensor_parallel": {"size": tp, "sequence_parallel": sequence_parallel},
     }
     engine, *_ = trident.initialize(model=pipe, config=config, mesh=mesh)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         mine = data[step * MICRO * MICRO_BATCHES:(step + 1) * MICRO * MICRO_BATCHES]
         micro = [(mine[k:k + MICRO, :-1], mine[k:k + MICRO, 1:]) for k in range(0, len(mine), MICRO)]
         losses.append(float(engine.train_batch(iter(micro))))
+        norms.append(engine.get_global_grad_norm())
     weights = {k: v.detach().float().clone() for k, v in gpt_state_dict(pipe, cfg).items()}
     specs = gpt_shard_specs(pipe, cfg)
-    return losses, weights, specs, (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), sent
+    return losses, weights, specs, (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), norms, sent
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no-sp", "sp"])
@@ -62,7 +65,14 @@ def test_pp2_tp2_tied_vocab_parallel_matches_serial(sequence_parallel):
     results = run_on_ranks(4, train_pp_tp, 2, 2, sequence_parallel)
     check(results, MICRO * MICRO_BATCHES, CLIP, steps=STEPS)
     seq = MODEL["seq_len"] // (2 if sequence_parallel else 1)
-    assert [r[4] for r in results if r[3][0] == 0] == [(MICRO, seq, MODEL["d_model"])] * 2
+    assert [r[5] for r in results if r[3][0] == 0] == [(MICRO, seq, MODEL["d_model"])] * 2
+
+
+def test_pp2_tp2_sp_sgd_with_active_clipping_matches_serial_norm_for_norm():
+    """The vocabulary-split tied table (two stages, two slices each) counted once, slice by slice;
+    the sequence-parallel layer norms' partial gradients reduced before they are counted."""
+    check(run_on_ranks(4, train_pp_tp, 2, 2, True, "sgd"), MICRO * MICRO_BATCHES, SGD_CLIP, steps=STEPS,
+          optimizer="sgd")
 
 
 def test_pp1_tp2_sequence_parallel_matches_serial():

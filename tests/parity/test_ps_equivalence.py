@@ -8,6 +8,8 @@ runs (`train_loop`), each on its own micro-batches of the same global batch.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,12 +20,15 @@ from trident.models.gpt import GPT, GPTConfig
 from trident.optim.schedulers import build_scheduler
 from trident.parameter_server import serve
 from trident.testing.distributed import cached_mesh, run_on_ranks
-from trident.testing.parity import assert_losses_close, assert_state_close
+from trident.testing.parity import (SerialRun, assert_losses_close, assert_norms_close, assert_state_close,
+                                    optimizer_section, train_serial)
 
 STEPS = 12
 # No biases, as in the data-parallel parity test: the key bias's gradient is pure rounding noise.
 MODEL = dict(vocab_size=61, seq_len=16, n_layer=2, n_head=2, d_model=32, dropout=0.0, bias=False)
 LR = 3e-3
+OPT_LR = {"adamw": LR, "sgd": 0.5}
+SGD_CLIP = 0.05  # below the gradient norm on every step of the SGD case
 SCHEDULE = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 5}}
 
 
@@ -37,11 +42,12 @@ def make_tokens(global_batch: int) -> torch.Tensor:
     return torch.randint(0, MODEL["vocab_size"], (STEPS * global_batch, MODEL["seq_len"] + 1), generator=g)
 
 
-def config(servers: int, micro: int, gas: int, clip: float, placement: str = "balanced") -> dict:
+def config(servers: int, micro: int, gas: int, clip: float, placement: str = "balanced",
+           optimizer: str = "adamw") -> dict:
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "optimizer": optimizer_section(optimizer, OPT_LR[optimizer]),
         "scheduler": SCHEDULE,
         "gradient_clipping": clip,
         "zero_optimization": {"stage": 0, "reduce_bucket_size": 3000},  # several buckets per shard
@@ -50,12 +56,12 @@ def config(servers: int, micro: int, gas: int, clip: float, placement: str = "ba
     }
 
 
-def train_loop(engine, micro: int, gas: int) -> tuple[list[float], list[float]]:
+def train_loop(engine, micro: int, gas: int) -> tuple[list[float], list[float], list[float | None]]:
     """A data-parallel training script's loop, verbatim: it runs unchanged on either architecture."""
     rank, dp = engine.dp_rank, engine.dp_world_size
     global_batch = micro * gas * dp
     data = make_tokens(global_batch)
-    losses, lrs = [], []
+    losses, lrs, norms = [], [], []
     for step in range(STEPS):
         for k in range(gas):
             start = step * global_batch + (rank * gas + k) * micro
@@ -65,35 +71,37 @@ def train_loop(engine, micro: int, gas: int) -> tuple[list[float], list[float]]:
             engine.step()
         losses.append(engine.last_loss)
         lrs.append(engine.get_lr()[0])
+        norms.append(engine.get_global_grad_norm())
     assert engine.global_steps == STEPS
-    return losses, lrs
+    return losses, lrs, norms
 
 
-def serial_reference(global_batch: int, clip: float):
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    schedule = build_scheduler(load_config({"train_micro_batch_size_per_gpu": 1, "scheduler": SCHEDULE}).scheduler,
-                               opt)
+@functools.lru_cache(maxsize=None)
+def serial_reference(global_batch: int, clip: float, optimizer: str = "adamw") -> SerialRun:
+    """Plain PyTorch with trident's WarmupLR; `lrs` per step are the schedule's."""
+    def schedule(opt):
+        return build_scheduler(load_config({"train_micro_batch_size_per_gpu": 1, "scheduler": SCHEDULE}).scheduler, opt)
     data = make_tokens(global_batch)
-    losses, lrs = [], []
-    for step in range(STEPS):
-        batch = data[step * global_batch:(step + 1) * global_batch]
-        loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    batches = [(b[:, :-1], b[:, 1:]) for b in data.split(global_batch)]
+    return train_serial(make_model(), batches, optimizer, OPT_LR[optimizer], clip, schedule)
+
+
+def serial_lrs() -> list[float]:
+    """The learning rate after each of the STEPS schedule steps (WarmupLR, as the servers run it)."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
+    schedule = build_scheduler(load_config({"train_micro_batch_size_per_gpu": 1, "scheduler": SCHEDULE}).scheduler, opt)
+    lrs = []
+    for _ in range(STEPS):
         opt.step()
         schedule.step()
-        opt.zero_grad()
-        losses.append(loss.item())
         lrs.append(opt.param_groups[0]["lr"])
-    return losses, lrs, {k: v.clone() for k, v in model.state_dict().items()}
+    return lrs
 
 
-def run_ps(servers: int, micro: int, gas: int, clip: float, placement: str):
+def run_ps(servers: int, micro: int, gas: int, clip: float, placement: str, optimizer: str = "adamw"):
     """Every rank: the first `servers` serve, the rest train through trident.initialize."""
     mesh = cached_mesh()
-    cfg = config(servers, micro, gas, clip, placement)
+    cfg = config(servers, micro, gas, clip, placement, optimizer)
     if dist.get_rank() < servers:
         result = serve(cfg, make_model(), mesh=mesh)
         return {"role": "server", "params": result.parameters, "version": result.version,
@@ -101,10 +109,11 @@ def run_ps(servers: int, micro: int, gas: int, clip: float, placement: str):
     engine, _, _, _ = trident.initialize(model=make_model(), config=cfg, mesh=mesh)
     assert engine.dp_world_size == dist.get_world_size() - servers
     assert engine.dp_rank == dist.get_rank() - servers
-    losses, lrs = train_loop(engine, micro, gas)
+    losses, lrs, norms = train_loop(engine, micro, gas)
     weights = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
     engine.close()
-    return {"role": "worker", "losses": losses, "lrs": lrs, "weights": weights, "bytes": engine.comm_bytes()}
+    return {"role": "worker", "losses": losses, "lrs": lrs, "norms": norms, "weights": weights,
+            "bytes": engine.comm_bytes()}
 
 
 @pytest.mark.parametrize("servers,workers,micro,gas,clip,placement", [
@@ -114,7 +123,8 @@ def run_ps(servers: int, micro: int, gas: int, clip: float, placement: str):
     (2, 3, 2, 2, 0.05, "round_robin"),
 ])
 def test_sync_ps_matches_serial(servers, workers, micro, gas, clip, placement):
-    ref_losses, ref_lrs, ref_weights = serial_reference(micro * gas * workers, clip)
+    ref = serial_reference(micro * gas * workers, clip)
+    ref_losses, ref_lrs, ref_weights = ref.losses, serial_lrs(), ref.weights
     results = run_on_ranks(servers + workers, run_ps, servers, micro, gas, clip, placement)
     server_side = [r for r in results if r["role"] == "server"]
     worker_side = [r for r in results if r["role"] == "worker"]
@@ -132,3 +142,17 @@ def test_sync_ps_matches_serial(servers, workers, micro, gas, clip, placement):
     expected = {k: v for k, v in ref_weights.items() if k in held}
     assert len(held) == len(dict(make_model().named_parameters()))
     assert_state_close(held, expected, rtol=1e-5)
+
+
+def test_sync_ps_sgd_with_active_clipping_matches_serial_norm_for_norm():
+    """Two servers each hold part of the averaged gradient and exchange squared norms: the
+    clip coefficient every server applies comes from the exact global norm."""
+    ref = serial_reference(8, SGD_CLIP, "sgd")
+    assert max(ref.clip_coefs) < 1.0, f"clipping inactive on some step: {ref.clip_coefs}"
+    results = run_on_ranks(4, run_ps, 2, 2, 2, SGD_CLIP, "balanced", "sgd")
+    workers = [r for r in results if r["role"] == "worker"]
+    per_step = zip(*(r["losses"] for r in workers))
+    assert_losses_close([sum(s) / len(s) for s in per_step], ref.losses, rtol=1e-5)
+    for r in workers:
+        assert_norms_close(r["norms"], ref.norms, rtol=1e-6)
+        assert_state_close(r["weights"], ref.weights, rtol=1e-5)

@@ -11,7 +11,9 @@ import trident
 from trident.tensor_parallel import merge_state_dicts, shard_specs
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import assert_losses_close, assert_state_close
-from tests.parity.test_dp_equivalence import LR, make_model, mean_losses, serial_reference, train_steps
+from tests.parity.test_dp_equivalence import (OPT_LR, SGD_CLIP, check_clipped, make_model, mean_losses,
+                                             serial_reference, train_steps)
+from trident.testing.parity import optimizer_section
 
 
 class PlainMLP(nn.Module):
@@ -56,26 +58,40 @@ def test_plain_mlp_trains_under_tp_by_config_alone():
     assert_state_close(merged, ref_weights, rtol=1e-5)
 
 
-def train_gpt(tp: int, stage: int, micro: int, clip: float, sequence_parallel: bool = False):
+def train_gpt(tp: int, stage: int, micro: int, clip: float, sequence_parallel: bool = False,
+              optimizer: str = "adamw"):
     mesh = cached_mesh(tp=tp)
     cfg = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 0, "gradient_clipping": clip,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+           "optimizer": optimizer_section(optimizer, OPT_LR[optimizer]),
            "tensor_parallel": {"size": tp, "sequence_parallel": sequence_parallel},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}
     engine, *_ = trident.initialize(model=make_model(), config=cfg, mesh=mesh)
-    losses = train_steps(engine, mesh, micro, 1)
+    losses, norms = train_steps(engine, mesh, micro, 1)
     return losses, {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}, \
-        shard_specs(engine.module), mesh.dp_rank, mesh.tp_rank
+        shard_specs(engine.module), mesh.dp_rank, mesh.tp_rank, norms
+
+
+def check_gpt(results, ref) -> None:
+    by_dp = {}
+    for losses, weights, specs, dp_rank, tp_rank, _ in results:
+        by_dp.setdefault(dp_rank, {})[tp_rank] = (losses, weights, specs)
+    assert_losses_close(mean_losses([by_dp[d][0] for d in sorted(by_dp)]), ref.losses, rtol=1e-5)
+    for d, per_tp in by_dp.items():
+        merged = merge_state_dicts([per_tp[t][1] for t in sorted(per_tp)], per_tp[0][2])
+        assert_state_close(merged, ref.weights, rtol=1e-5)
 
 
 @pytest.mark.parametrize("stage,sequence_parallel", [(0, False), (1, False), (2, False), (3, False), (1, True)])
 def test_gpt_dp2_x_tp2_with_zero_matches_serial(stage, sequence_parallel):
-    ref_losses, ref_weights = serial_reference(8, 0.05)
-    results = run_on_ranks(4, train_gpt, 2, stage, 4, 0.05, sequence_parallel)
-    by_dp = {}
-    for losses, weights, specs, dp_rank, tp_rank in results:
-        by_dp.setdefault(dp_rank, {})[tp_rank] = (losses, weights, specs)
-    assert_losses_close(mean_losses([(by_dp[d][0][0], None) for d in sorted(by_dp)]), ref_losses, rtol=1e-5)
-    for d, per_tp in by_dp.items():
-        merged = merge_state_dicts([per_tp[t][1] for t in sorted(per_tp)], per_tp[0][2])
-        assert_state_close(merged, ref_weights, rtol=1e-5)
+    check_gpt(run_on_ranks(4, train_gpt, 2, stage, 4, 0.05, sequence_parallel), serial_reference(8, 0.05))
+
+
+@pytest.mark.parametrize("tp,stage,sequence_parallel", [(2, 0, False), (2, 0, True), (2, 3, False)])
+def test_gpt_tp_sgd_with_active_clipping_matches_serial_norm_for_norm(tp, stage, sequence_parallel):
+    """tp-split weights counted slice by slice, tp-replicated layer norms once (with sequence
+    parallelism their gradients are partial sums that must be reduced first)."""
+    ref = serial_reference(8, SGD_CLIP, "sgd")
+    world = 4 if stage else tp
+    results = run_on_ranks(world, train_gpt, tp, stage, 8 * tp // world, SGD_CLIP, sequence_parallel, "sgd")
+    check_clipped([(None, None, r[5]) for r in results], ref)
+    check_gpt(results, ref)

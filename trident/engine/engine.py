@@ -19,7 +19,7 @@ from trident.comm import collectives
 from trident.comm.logger import CommsLogger
 from trident.config.batch import BatchGetters, BatchSizes
 from trident.data_parallel.reducer import GradientReducer
-from trident.engine import grads as grad_ops
+from trident.optim.clipping import clip_coefficient, global_norm
 from trident.engine.timers import Timers
 from trident.monitor.log import logger
 from trident.parallel.mesh import ParallelMesh
@@ -180,7 +180,7 @@ class Engine(BatchGetters, torch.nn.Module):
         extra = self._grad_split_groups()
         parts = [(tensors, tuple(groups) + tuple(extra)) for tensors, groups in self.reducer.grad_parts()]
         scale = self.loss_scale
-        norm = grad_ops.global_norm_parts(parts) / scale
+        norm = global_norm(parts) / scale
         overflow = not math.isfinite(norm)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)
@@ -195,11 +195,7 @@ class Engine(BatchGetters, torch.nn.Module):
                                self.global_steps + 1, self.loss_scale)
         else:
             self._global_grad_norm = norm
-            coef = 1.0 / scale
-            clip = self.config.gradient_clipping
-            if clip > 0 and clip / (norm + 1e-6) < 1.0:
-                coef *= clip / (norm + 1e-6)
-            self.reducer.optimizer_step(coef)
+            self.reducer.optimizer_step(clip_coefficient(norm, self.config.gradient_clipping) / scale)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.reducer.zero_grad()

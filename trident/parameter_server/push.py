@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from trident.optim.clipping import sum_of_squares
 from trident.parameter_server.layout import PSLayout
 from trident.parameter_server.sharding import ShardLayout
 from trident.parameter_server.transport import Endpoint, Pending
@@ -139,8 +140,7 @@ class GradientPusher:
 
     def grad_norm(self) -> float:
         """L2 norm of this worker's whole window gradient (all shards)."""
-        total = sum(float(torch.linalg.vector_norm(s.grad, dtype=torch.float64) ** 2) for s in self.shards)
-        return total ** 0.5
+        return float(sum_of_squares(s.grad for s in self.shards)) ** 0.5
 
     def zero_grad(self) -> None:
         """Start a new window: buffers are overwritten by the next gradients, not zeroed."""

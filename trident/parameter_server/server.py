@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from trident.monitor.log import logger
+from trident.optim.clipping import clip_coefficient
 from trident.parameter_server import checkpoint as ckpt
 from trident.parameter_server.layout import PSLayout
 from trident.parameter_server.protocol import (SYNC_ADVICE, Header, Kind, ParameterServerError, Reason,
@@ -229,8 +230,7 @@ class ParameterServer:
         if self.clip > 0:
             norm = math.sqrt(self.shard.grad_sq_norm() + self._peer_sq_norms())
             self._last_norm = norm
-            if self.clip / (norm + 1e-6) < 1.0:
-                scale = self.clip / (norm + 1e-6)
+            scale = clip_coefficient(norm, self.clip)
         self.shard.step(scale)
         self.shard.clock = self.shard.version
         self._arrived.clear()

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from trident.optim.clipping import sum_of_squares
 from trident.parameter_server.sharding import ShardLayout
 
 CHECKPOINT_FORMAT = "trident-parameter-server/1"
@@ -56,7 +57,7 @@ class ShardState:
             self.grad.mul_(1.0 / len(grads))
 
     def grad_sq_norm(self) -> float:
-        return float(torch.linalg.vector_norm(self.grad, dtype=torch.float64) ** 2)
+        return float(sum_of_squares([self.grad]))
 
     @torch.no_grad()
     def step(self, scale: float = 1.0) -> None:

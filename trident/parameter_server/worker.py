@@ -28,6 +28,7 @@ from trident.config import TridentConfig
 from trident.config.batch import BatchGetters, BatchSizes
 from trident.monitor.log import logger
 from trident.monitor.writers import Monitors
+from trident.optim.clipping import clip_coefficient
 from trident.parameter_server import checkpoint as ckpt
 from trident.parameter_server.layout import PSLayout
 from trident.parameter_server.protocol import (SYNC_ADVICE, Header, Kind, ParameterServerError, Reason,
@@ -208,7 +209,7 @@ class WorkerEngine(BatchGetters, torch.nn.Module):
             if clip > 0:
                 norm = self.pusher.grad_norm()
                 self._global_grad_norm = norm
-                scale = clip / (norm + 1e-6) if clip / (norm + 1e-6) < 1.0 else 1.0
+                scale = clip_coefficient(norm, clip)
         t = self.global_steps
         need = t + 1 - self.staleness if self.mode == "async" else 0
         for s, base in enumerate(self._base):

@@ -7,7 +7,9 @@ difference, worst first.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -52,3 +54,83 @@ def assert_state_close(actual: Mapping[str, torch.Tensor], expected: Mapping[str
     if rows and rows[0][1] > rtol:
         lines = "\n".join(f"  {n}: rel {r:.2e}, max abs diff {m:.2e}" for n, r, m in rows[:10])
         raise AssertionError(f"weights differ beyond rtol={rtol} (worst first):\n{lines}")
+
+
+# -- the serial reference ------------------------------------------------------------------------
+
+PARITY_OPTIMIZERS = ("adamw", "sgd")
+"""Parity runs train with AdamW and with SGD + momentum. Adam is blind to a uniform scale of the
+gradient (up to eps), so a wrong norm, loss-scale or averaging factor passes an Adam-only test;
+SGD with clipping that is active on every step turns any such error into a different update."""
+
+SGD_MOMENTUM = 0.9
+ADAMW_WEIGHT_DECAY = 0.01
+
+
+def optimizer_section(kind: str, lr: float) -> dict:
+    """The DeepSpeed-style `optimizer` section of a parity run's config."""
+    if kind == "adamw":
+        return {"type": "AdamW", "params": {"lr": lr, "weight_decay": ADAMW_WEIGHT_DECAY}}
+    if kind == "sgd":
+        return {"type": "SGD", "params": {"lr": lr, "momentum": SGD_MOMENTUM}}
+    raise ValueError(f"parity optimizer {kind!r}: expected one of {PARITY_OPTIMIZERS}")
+
+
+def torch_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
+    """The plain-PyTorch optimizer that `optimizer_section(kind, lr)` describes."""
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=ADAMW_WEIGHT_DECAY)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM)
+    raise ValueError(f"parity optimizer {kind!r}: expected one of {PARITY_OPTIMIZERS}")
+
+
+@dataclass
+class SerialRun:
+    """A single-process training run: per-step losses, gradient norms (before clipping, in float64)
+    and clip coefficients (1.0 when clipping is off or inactive), and the final state dict."""
+
+    losses: list[float] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)
+    clip_coefs: list[float] = field(default_factory=list)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def train_serial(model: torch.nn.Module, batches: Iterable[tuple], optimizer: str, lr: float, clip: float,
+                 schedule: Callable[[torch.optim.Optimizer], Any] | None = None) -> SerialRun:
+    """Plain PyTorch: one `model(*batch)` loss per step over the whole global batch, the exact norm
+    of all (unique) parameters' gradients, torch's clip rule (max / (norm + 1e-6) when < 1)."""
+    opt = torch_optimizer(optimizer, model.parameters(), lr)
+    sched = schedule(opt) if schedule is not None else None
+    run = SerialRun()
+    for batch in batches:
+        loss = model(*batch)
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+        coef = clip / (norm + 1e-6) if clip > 0 and clip / (norm + 1e-6) < 1.0 else 1.0
+        if coef != 1.0:
+            for g in grads:
+                g.mul_(coef)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+        run.losses.append(loss.item())
+        run.norms.append(norm)
+        run.clip_coefs.append(coef)
+    run.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return run
+
+
+def assert_norms_close(actual: Sequence[float | None], expected: Sequence[float], rtol: float = 1e-6) -> None:
+    """Every step's global gradient norm (engine.get_global_grad_norm()) within `rtol` of the
+    serial one: clipping multiplies every update by max_norm / norm, so a norm off by x is an
+    update off by x."""
+    if len(actual) != len(expected):
+        raise AssertionError(f"{len(actual)} gradient norms vs {len(expected)} expected")
+    errs = [abs(a - e) / e if a is not None else math.inf for a, e in zip(actual, expected)]
+    bad = [(i, a, e, r) for i, (a, e, r) in enumerate(zip(actual, expected, errs)) if r > rtol]
+    if bad:
+        lines = "\n".join(f"  step {i + 1}: {a} vs {e:.10f} (rel {r:.2e})" for i, a, e, r in bad[:10])
+        raise AssertionError(f"{len(bad)} of {len(errs)} gradient norms differ by more than rtol={rtol}:\n{lines}")
