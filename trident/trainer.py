@@ -77,7 +77,7 @@ def _memory_report(engine, model_cfg: GPTConfig) -> str:
     from trident.planner.memory import trident_state_bytes
 
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(engine.compute_dtype, "fp32")
-    stage, mesh = engine.reducer.stage, engine.mesh
+    stage, mesh = engine.strategy.zero_stage, engine.mesh
     layout = Layout(dp=mesh.dp_size, tp=mesh.tp_size, pp=mesh.pp_size, zero_stage=stage,
                     micro_batch=engine.train_micro_batch_size_per_gpu())
     workload = Workload(seq_len=model_cfg.seq_len, global_batch=engine.train_batch_size(), precision=precision,

@@ -13,9 +13,9 @@ layout-free view:
         the saved buffer)
 
 Loading under another layout (`prepare_resharded`) asks the running engine for the *shape* of
-its own state (`engine.reducer.state_dict()`: its partition layouts and optimizer indices),
-fills it from the reader, sliced for this rank's tp coordinate and dp shard, and hands it back
-to the strategy's `load_state_dict`; the strategy never learns where the numbers came from.
+its own state (`engine.strategy.state_dict()`: its partition layouts and optimizer indices),
+has the strategy fill it (`fill_resharded_state`) from the reader's whole tensors, sliced for
+this rank's tp coordinate, and hands it back to the strategy's `load_state_dict`; the strategy never learns where the numbers came from.
 Nothing here needs a process group, so the offline tool (`reshard`, `trident checkpoint
 reshard`) uses the same reader.
 """
@@ -37,6 +37,7 @@ from trident.checkpointing.state import (CLIENT_FILE, FORMAT_VERSION, MANIFEST, 
                                         write_hashed)
 from trident.tensor_parallel.split import ShardSpec
 from trident.zero.partition import ShardedLayout
+from trident.zero.state import chunk_indices
 
 ZERO_PARTITIONS = "zero partitions"  # the "file" of a stage-3 parameter: it lives only in the partitions
 
@@ -208,20 +209,6 @@ def _model_file(pp: int, tp: int, layout: dict) -> str:
     return f"model_pp{pp}_tp{tp}.safetensors"
 
 
-def chunk_indices(part: dict) -> list[list[int]]:
-    """For each partition group of a ZeRO partition dict, the optimizer index of each master
-    chunk: ZeroOptimizer lists, per optimizer param group, the chunks of its partition groups
-    in order, and torch numbers parameters across param groups in that order."""
-    param_groups = part["optimizer"]["param_groups"]
-    out: list[list[int]] = [[] for _ in part["groups"]]
-    for g, pgroup in enumerate(param_groups):
-        order = iter(pgroup["params"])
-        for gi, group in enumerate(part["groups"]):
-            if group["opt_group"] == g:
-                out[gi] = [next(order) for _ in group["masters"]]
-    return out
-
-
 def _scatter_partition(out: dict[str, ParamState], group: dict, chunk_states: list[dict], rank: int) -> None:
     """Write one rank's partition group (masters + optimizer state per chunk) into whole tensors."""
     layout = ShardedLayout.from_dict(group["layout"])
@@ -264,10 +251,9 @@ def local_value(value: torch.Tensor, target: torch.Tensor, tp_rank: int, name: s
                                   f"this model's is {spec.full_size}; the checkpoint is of another model")
         return spec.shard(value, tp_rank)
     shape = tuple(getattr(target, "_trident_shape", None) or target.shape)
-    zero = getattr(target, "_trident_zero", None)
-    if zero is not None and zero.stage == 3:
-        from trident.checkpointing.state import global_shape
-        shape = global_shape(target)
+    owner = getattr(target, "_trident_zero", None)  # the strategy that partitions it, if any
+    if owner is not None and owner.partitions_parameters:
+        shape = owner.full_shape(target)
     if tuple(value.shape) != shape:
         raise CheckpointError(f"{folder}: tensor {name!r} has shape {tuple(value.shape)}, this model's is "
                               f"{shape}; the checkpoint is of another model")
@@ -278,19 +264,19 @@ def prepare_resharded(engine, reader: CheckpointReader, load_optimizer_states: b
     """Read everything `engine` needs from a checkpoint written under any layout: weights, fp32
     masters and (optionally) optimizer state, cut for this rank. Returns the function that puts
     them in place; reading uses no collective, so a bad file fails before any rank commits."""
-    mesh, strategy, folder = engine.mesh, engine.reducer, reader.folder
+    mesh, strategy, folder = engine.mesh, engine.strategy, reader.folder
     params = dict(engine.module.named_parameters())
-    partitioned = {id(p) for p in params.values()} if strategy.stage == 3 else set()
+    partitioned = {id(p) for p in params.values()} if strategy.partitions_parameters else set()
     entries = {}
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) in partitioned:
             continue
         entries[name] = local_value(reader.value(name), t, mesh.tp_rank, name, folder).to(t.dtype)
 
-    def local_state(name: str) -> ParamState | None:
+    def local_state(name: str) -> ParamState:
         state = reader.param_state(name)
         if state is None:
-            return None
+            raise _missing(folder, name)
         target = params[name]
         cut = ParamState(local_value(state.master, target, mesh.tp_rank, name, folder), state.group, dict(state.state))
         for key, v in state.per_element().items():
@@ -305,13 +291,10 @@ def prepare_resharded(engine, reader: CheckpointReader, load_optimizer_states: b
                               "with the same param groups")
     for mine, saved in zip(skeleton["optimizer"]["param_groups"], groups):
         mine.update({k: v for k, v in saved.items() if k != "params"})
-    if strategy.stage == 0:
-        _fill_replicated(skeleton, local_state, folder)
-    else:
-        _fill_zero(skeleton, local_state, folder)
+    strategy.fill_resharded_state(skeleton, local_state, str(folder))
 
     def apply() -> None:
-        engine.module.load_state_dict(entries, strict=strategy.stage != 3)
+        engine.module.load_state_dict(entries, strict=not strategy.partitions_parameters)
         strategy.load_state_dict(skeleton, load_optimizer_states=load_optimizer_states)
     return apply
 
@@ -319,58 +302,6 @@ def prepare_resharded(engine, reader: CheckpointReader, load_optimizer_states: b
 def _missing(folder: Path, name: str) -> CheckpointError:
     return CheckpointError(f"{folder}: holds no optimizer state for parameter {name!r}; the checkpoint is of "
                            "another model (or that parameter was frozen when it was saved)")
-
-
-def _fill_replicated(skeleton: dict, local_state, folder: Path) -> None:
-    states: dict[int, dict] = {}
-    by_name = {}
-    for index, name in enumerate(skeleton["optimizer_names"]):
-        ps = local_state(name)
-        if ps is None:
-            raise _missing(folder, name)
-        by_name[name] = ps
-        states[index] = _own(ps.state)
-    skeleton["optimizer"]["state"] = states
-    copies = [n for n, c in zip(skeleton["names"], skeleton["master_params_are_copies"]) if c]
-    skeleton["master_weights"] = [by_name[n].master for n in copies]
-
-
-def _own(state: dict) -> dict:
-    """A copy whose tensors belong to one parameter alone: torch steps a shared `step` tensor in
-    place once per parameter, so chunks must never share one."""
-    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-
-
-def _fill_zero(skeleton: dict, local_state, folder: Path) -> None:
-    rank = skeleton["dp_rank"]
-    states: dict[int, dict] = {}
-    for group, indices in zip(skeleton["groups"], chunk_indices(skeleton)):
-        layout = ShardedLayout.from_dict(group["layout"])
-        named = {}
-        for name in group["names"]:
-            named[name] = local_state(name)
-            if named[name] is None:
-                raise _missing(folder, name)
-        keys = sorted({k for ps in named.values() for k in ps.per_element()})
-        scalars = next(({k: v for k, v in ps.state.items() if k not in keys} for ps in named.values()), {})
-        shards = {key: [] for key in ["master", *keys]}
-        for unit in layout.units:
-            lo, hi = unit.shard_range(rank)
-            flat = {key: torch.zeros(hi - lo) for key in shards}
-            for slot, a, b in unit.pieces(rank):
-                ps = named[group["names"][slot.index]]
-                start = slot.offset + a - lo
-                flat["master"][start:start + b - a] = ps.master.reshape(-1)[a:b]
-                for key in keys:
-                    flat[key][start:start + b - a] = ps.state[key].reshape(-1)[a:b]
-            for key in shards:
-                shards[key].append(flat[key])
-        masters = []
-        for k, (u, start, end) in enumerate(group["chunks"]):
-            masters.append(shards["master"][u][start:end].clone())
-            states[indices[k]] = {**_own(scalars), **{key: shards[key][u][start:end].clone() for key in keys}}
-        group["masters"] = masters
-    skeleton["optimizer"]["state"] = states
 
 
 # -- offline: write the checkpoint for another layout -------------------------------------------

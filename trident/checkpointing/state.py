@@ -82,7 +82,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
     partial, final = root / f".{tag}.partial", root / tag
     group = engine.mesh.mesh_group
     rank = engine.mesh.mesh_rank
-    zero = engine.reducer.stage > 0
+    per_rank = engine.strategy.per_rank_state
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -95,14 +95,14 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
         files[name] = write_hashed(partial / name, obj)
 
     write(f"rng_rank{rank}.pt", _rng_state())
-    if zero:  # every rank: its own partition
-        write(zero_file(engine.mesh), engine.reducer.state_dict())
+    if per_rank:  # every rank: its own partition
+        write(zero_file(engine.mesh), engine.strategy.state_dict())
     if engine.mesh.dp_rank == 0:  # one replica per (pp, tp) position writes what the replicas share
         model = model_file(engine.mesh)
         write(model, safetensors_bytes(_model_tensors(engine)))
         tensors = _tensor_entries(engine, model)
-        if not zero:
-            write(optim_file(engine.mesh), engine.reducer.state_dict())
+        if not per_rank:
+            write(optim_file(engine.mesh), engine.strategy.state_dict())
     if rank == 0:
         write(STATE_FILE, engine.training_state())
         write(CLIENT_FILE, client_state)
@@ -164,7 +164,7 @@ def _model_tensors(engine) -> dict[str, torch.Tensor]:
     """What model.safetensors holds: the whole state dict, or under stage 3 only what is not a
     partitioned parameter. Tied entries are written once (safetensors refuses shared storage)."""
     out, seen = {}, set()
-    partitioned = engine.reducer.stage == 3
+    partitioned = engine.strategy.partitions_parameters
     params = {id(p) for p in engine.module.parameters()}
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) in seen or (partitioned and id(t) in params):
@@ -230,7 +230,7 @@ def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str], t
         "tag": tag,
         "global_steps": engine.global_steps,
         "layout": {"world_size": mesh.world_size, "pp": mesh.pp_size, "dp": mesh.dp_size,
-                   "tp": mesh.tp_size, "zero_stage": engine.reducer.stage},
+                   "tp": mesh.tp_size, "zero_stage": engine.strategy.zero_stage},
         "tensors": tensors,
         "tied": tied,
         "files": {name: {"sha256": digest, "bytes": (folder / name).stat().st_size}
@@ -243,11 +243,9 @@ def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str], t
 
 def global_shape(t: torch.Tensor) -> tuple[int, ...]:
     """A tensor's whole (un-ZeRO-partitioned) shape; tp slicing is not undone."""
-    owner = getattr(t, "_trident_zero", None)
-    if owner is not None and owner.stage == 3:
-        pg = owner.param_to_group[id(t)]
-        index = next(i for i, q in enumerate(pg.params) if q is t)
-        return next(s.shape for u in pg.layout.units for s in u.slots if s.index == index)
+    owner = getattr(t, "_trident_zero", None)  # the strategy that partitions it, if any
+    if owner is not None and owner.partitions_parameters:
+        return owner.full_shape(t)
     return tuple(t.shape)
 
 
@@ -335,38 +333,34 @@ def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
 
 
 def _same_layout_partition(engine, folder: Path, manifest: dict):
-    """None (stage 0) or this rank's partition dict when the checkpoint was written under this
-    engine's exact layout and partitioning; False when it must be resharded."""
-    layout, mesh, stage = manifest["layout"], engine.mesh, engine.reducer.stage
-    same = (not manifest.get("resharded_from") and layout.get("zero_stage", 0) == stage
+    """None (no per-rank state) or this rank's partition dict when the checkpoint was written
+    under this engine's exact layout and partitioning; False when it must be resharded."""
+    layout, mesh, strategy = manifest["layout"], engine.mesh, engine.strategy
+    same = (not manifest.get("resharded_from") and layout.get("zero_stage", 0) == strategy.zero_stage
             and (layout["pp"], layout["tp"]) == (mesh.pp_size, mesh.tp_size)
-            and (stage == 0 or layout["dp"] == mesh.dp_size))
+            and (not strategy.per_rank_state or layout["dp"] == mesh.dp_size))
     if not same:
         return False
-    if stage == 0:
-        return None
-    partition = load_pickle(folder, manifest, zero_file(mesh))
-    mine = [(pg.names, [list(c) for c in pg.chunks]) for pg in engine.reducer.groups]
-    saved = [(g["names"], [list(c) for c in g["chunks"]]) for g in partition.get("groups", [])]
-    return partition if mine == saved else False  # other bucket or sub-group sizes: reshard
+    partition = load_pickle(folder, manifest, zero_file(mesh)) if strategy.per_rank_state else None
+    return partition if strategy.same_state_layout(partition) else False  # other bucket sizes: reshard
 
 
 def _prepare_same_layout(engine, folder: Path, manifest: dict, partition: dict | None, optimizer: bool):
     """The fast path: this rank's own files, read now, applied by the returned function."""
-    stage = engine.reducer.stage
+    strategy = engine.strategy
     state = load_tensors(folder, manifest, model_file(engine.mesh))
     for alias, name in manifest.get("tied", {}).items():
         if name in state:
             state[alias] = state[name]
-    strategy_state = partition if stage > 0 else (
+    strategy_state = partition if strategy.per_rank_state else (
         load_pickle(folder, manifest, optim_file(engine.mesh)) if optimizer else None)
 
     def apply() -> None:
-        engine.module.load_state_dict(state, strict=stage != 3)
+        engine.module.load_state_dict(state, strict=not strategy.partitions_parameters)
         if strategy_state is not None:
-            engine.reducer.load_state_dict(strategy_state, load_optimizer_states=optimizer)
+            strategy.load_state_dict(strategy_state, load_optimizer_states=optimizer)
         else:
-            engine.reducer.reload_masters()
+            strategy.reload_masters()
     return apply
 
 
@@ -401,7 +395,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None, load_optimizer_state
             layout = manifest["layout"]
             logger.info("checkpoint %s was written with pp=%d dp=%d tp=%d ZeRO-%d; resharding it for pp=%d dp=%d "
                         "tp=%d ZeRO-%d", folder, layout["pp"], layout["dp"], layout["tp"], layout["zero_stage"],
-                        engine.mesh.pp_size, engine.mesh.dp_size, engine.mesh.tp_size, engine.reducer.stage)
+                        engine.mesh.pp_size, engine.mesh.dp_size, engine.mesh.tp_size, engine.strategy.zero_stage)
             apply = prepare_resharded(engine, CheckpointReader(folder), optimizer)
         else:
             apply = _prepare_same_layout(engine, folder, manifest, partition, optimizer)
@@ -424,7 +418,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None, load_optimizer_state
             engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     if rng is not None:
         _set_rng_state(rng)
-    engine.reducer.zero_grad()
+    engine.strategy.zero_grad()
     collectives.barrier(group=engine.mesh.mesh_group)
     logger.info("loaded checkpoint %s (step %d)", folder, engine.global_steps)
     return str(folder), client_state or {}

@@ -9,13 +9,18 @@ from __future__ import annotations
 import torch
 
 from trident.data_parallel.reducer import GradientReducer
+from trident.optim.state import own_state
 from trident.precision.mixed import MasterWeights
 
 
 class ReplicatedOptimizer:
-    """The gradient reducer, the fp32 masters and the optimizer of a stage-0 engine."""
+    """The gradient reducer, the fp32 masters and the optimizer of a stage-0 engine
+    (a `trident.engine.strategy.GradientStrategy`)."""
 
-    stage = 0
+    stage = zero_stage = 0
+    partitions_parameters = False
+    per_rank_state = False  # one optimizer file per (pp, tp) position: the dp replicas are equal
+    averaged_gradients = True
 
     def __init__(self, reducer: GradientReducer, master: MasterWeights, optimizer: torch.optim.Optimizer,
                  mesh, names: list[str]) -> None:
@@ -89,3 +94,27 @@ class ReplicatedOptimizer:
 
     def reload_masters(self) -> None:
         self.master.copy_from_model()
+
+    def placement_bytes(self) -> dict[str, int]:
+        return {"device": sum(self.memory_breakdown().values()), "host": 0, "nvme": 0}
+
+    def same_state_layout(self, saved: dict | None) -> bool:
+        return True  # keyed by name, whatever the dp size
+
+    def fill_resharded_state(self, skeleton: dict, param_state, where: str) -> None:
+        """Optimizer state by optimizer index and the masters that are copies, from whole tensors."""
+        states: dict[int, dict] = {}
+        by_name = {}
+        for index, name in enumerate(skeleton["optimizer_names"]):
+            by_name[name] = param_state(name)
+            states[index] = own_state(by_name[name].state)
+        skeleton["optimizer"]["state"] = states
+        copies = [n for n, c in zip(skeleton["names"], skeleton["master_params_are_copies"]) if c]
+        skeleton["master_weights"] = [by_name[n].master for n in copies]
+
+    def full_shape(self, t: torch.Tensor) -> tuple[int, ...]:
+        return tuple(t.shape)
+
+    def close(self) -> None:
+        """Nothing outlives a step."""
+

@@ -189,7 +189,7 @@ def _reduced_grads(engine) -> dict[str, torch.Tensor]:
     """The averaged gradients the optimizer is about to use, where the strategy keeps them on the
     parameters (fp32 data parallelism); ZeRO's partitioned gradients are compared through the
     parameters after the step instead."""
-    if engine.reducer.stage != 0:
+    if not engine.strategy.averaged_gradients:
         return {}
     scale = engine.loss_scale
     return _whole(engine, {n: p.grad / scale for n, p in engine.module.named_parameters() if p.grad is not None})

@@ -110,16 +110,16 @@ def initialize(
     for key in cfg.zero_optimization.inapplicable_keys():
         logger.warning("zero_optimization.%s has no effect at ZeRO stage %d (it is kept for DeepSpeed "
                        "compatibility); remove it or change the stage", key, cfg.zero_optimization.stage)
-    master, reducer, optimizer = _make_strategy(cfg, model, params, optimizer, model_parameters, mesh,
+    master, strategy, optimizer = _make_strategy(cfg, model, params, optimizer, model_parameters, mesh,
                                                 comms_logger, dtype)
     scheduler = _make_scheduler(lr_scheduler, optimizer, cfg)
     loss_scaler = make_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None
     monitors = Monitors(cfg.tensorboard, cfg.csv_monitor, enabled=mesh.mesh_rank == 0)
     if isinstance(model, PipelineModule):
-        engine = build_pipeline_engine(model, cfg, mesh, batch, master, reducer, optimizer, scheduler,
+        engine = build_pipeline_engine(model, cfg, mesh, batch, master, strategy, optimizer, scheduler,
                                        loss_scaler, comms_logger, monitors)
     else:
-        engine = Engine(model, cfg, mesh, batch, master, reducer, optimizer, scheduler, loss_scaler,
+        engine = Engine(model, cfg, mesh, batch, master, strategy, optimizer, scheduler, loss_scaler,
                         comms_logger, monitors)
     loader = _make_loader(training_data, collate_fn, mesh, batch, cfg) if training_data is not None else None
     engine.training_dataloader = loader
@@ -239,19 +239,20 @@ def _make_loader(dataset, collate_fn, mesh: ParallelMesh, batch, cfg) -> torch.u
 
 def _log_startup(engine: Engine, device: torch.device) -> None:
     b, mesh = engine.batch, engine.mesh
-    n = engine.reducer.numel
+    n = engine.strategy.numel
     logger.info("mesh (pp x dp x tp = %d x %d x %d) on %s:\n%s", mesh.pp_size, mesh.dp_size,
                 mesh.tp_size, device, mesh.describe())
     logger.info("batch: train_batch_size %d = micro %d x accumulation %d x dp %d",
                 b.train_batch_size, b.micro_batch_size, b.gradient_accumulation_steps, mesh.dp_size)
     logger.info("model: %.2fM parameters in %s; optimizer %s; ZeRO stage %d",
-                n / 1e6, engine.compute_dtype, type(engine.optimizer).__name__, engine.reducer.stage)
+                n / 1e6, engine.compute_dtype, type(engine.optimizer).__name__, engine.strategy.zero_stage)
     mem = engine.memory_breakdown()
     logger.info("model states per rank: %s (optimizer states appear after the first step)",
                 ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()))
-    if hasattr(engine.reducer, "placement_bytes"):
+    placed = engine.strategy.placement_bytes()
+    if placed["host"] or placed["nvme"]:
         logger.info("model states per rank by placement: %s", ", ".join(
-            f"{k} {format_bytes(v)}" for k, v in engine.reducer.placement_bytes().items()))
+            f"{k} {format_bytes(v)}" for k, v in placed.items()))
     predicted = _predicted_model_states(engine)
     if predicted is not None:
         logger.info("model states per rank, theory (trident.planner): %s; total %s",
@@ -269,5 +270,6 @@ def _predicted_model_states(engine: Engine):
     if name not in OPTIMIZER_STATE_BYTES:
         return None
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(engine.compute_dtype, "fp32")
-    state = trident_state_bytes(engine.reducer.stage, precision, name)
-    return model_state_bytes(engine.reducer.numel, engine.reducer.stage, engine.mesh.dp_size, state)
+    stage = engine.strategy.zero_stage
+    state = trident_state_bytes(stage, precision, name)
+    return model_state_bytes(engine.strategy.numel, stage, engine.mesh.dp_size, state)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from trident.comm import collectives
 from trident.comm.logger import CommsLogger
 from trident.config.batch import BatchGetters, BatchSizes
-from trident.data_parallel.reducer import GradientReducer
 from trident.optim.clipping import clip_coefficient, global_norm
+from trident.engine.strategy import GradientStrategy
 from trident.engine.timers import Timers
 from trident.monitor.log import logger
 from trident.parallel.mesh import ParallelMesh
@@ -35,8 +35,8 @@ class Engine(BatchGetters, torch.nn.Module):
         config,
         mesh: ParallelMesh,
         batch: BatchSizes,
-        master: MasterWeights,
-        reducer: GradientReducer,
+        master: MasterWeights | None,
+        strategy: GradientStrategy,
         optimizer: torch.optim.Optimizer,
         lr_scheduler: Any,
         loss_scaler: Any,
@@ -49,7 +49,7 @@ class Engine(BatchGetters, torch.nn.Module):
         self.mesh = mesh
         self.batch = batch
         self.master = master
-        self.reducer = reducer
+        self.strategy = strategy
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = loss_scaler
@@ -95,6 +95,11 @@ class Engine(BatchGetters, torch.nn.Module):
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    @property
+    def reducer(self) -> GradientStrategy:
+        """The gradient strategy under its first-wave name (kept for scripts that used it)."""
+        return self.strategy
+
     def get_global_grad_norm(self) -> float | None:
         """Norm of the averaged gradient at the last optimizer step, before clipping."""
         return self._global_grad_norm
@@ -136,9 +141,9 @@ class Engine(BatchGetters, torch.nn.Module):
         if scale_wrt_gas:
             scale /= self.batch.gradient_accumulation_steps
         with self.timers("backward"):
-            self.reducer.start_backward(boundary=self.is_gradient_accumulation_boundary())
+            self.strategy.start_backward(boundary=self.is_gradient_accumulation_boundary())
             (loss.float() * scale).backward(retain_graph=retain_graph)
-            self.reducer.finish_backward()
+            self.strategy.finish_backward()
         self._backward_pending = True
         return loss
 
@@ -178,7 +183,7 @@ class Engine(BatchGetters, torch.nn.Module):
         # all-reduce per group give the global norm; an inf or NaN anywhere makes it non-finite
         # on every rank, which is the overflow check too.
         extra = self._grad_split_groups()
-        parts = [(tensors, tuple(groups) + tuple(extra)) for tensors, groups in self.reducer.grad_parts()]
+        parts = [(tensors, tuple(groups) + tuple(extra)) for tensors, groups in self.strategy.grad_parts()]
         scale = self.loss_scale
         norm = global_norm(parts) / scale
         overflow = not math.isfinite(norm)
@@ -195,15 +200,15 @@ class Engine(BatchGetters, torch.nn.Module):
                                self.global_steps + 1, self.loss_scale)
         else:
             self._global_grad_norm = norm
-            self.reducer.optimizer_step(clip_coefficient(norm, self.config.gradient_clipping) / scale)
+            self.strategy.optimizer_step(clip_coefficient(norm, self.config.gradient_clipping) / scale)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        self.reducer.zero_grad()
+        self.strategy.zero_grad()
 
     def _nonfinite_gradients(self) -> None:
         """fp32/bf16: name the first parameter (in model order) whose gradient is not finite on
         any rank, then stop or skip the step as `numerics.on_nonfinite` says."""
-        local = self.reducer.nonfinite_names()
+        local = self.strategy.nonfinite_names()
         everywhere: list = [None] * self.mesh.world_size
         collectives.all_gather_object(everywhere, local, group=self.mesh.mesh_group)
         bad = {n for names in everywhere for n in names}
@@ -247,7 +252,7 @@ class Engine(BatchGetters, torch.nn.Module):
         fp32 master weights count as optimizer states, as in the ZeRO paper; scalar optimizer
         state (Adam's step counter) is not counted.
         """
-        return self.reducer.memory_breakdown()
+        return self.strategy.memory_breakdown()
 
     @torch.no_grad()
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
@@ -263,9 +268,7 @@ class Engine(BatchGetters, torch.nn.Module):
     def destroy(self) -> None:
         """Release what outlives a step: offload swap files and I/O threads (DeepSpeed's name;
         also run at interpreter exit). The engine cannot train afterwards."""
-        close = getattr(self.reducer, "close", None)
-        if close is not None:
-            close()
+        self.strategy.close()
 
     close = destroy
 
@@ -284,7 +287,8 @@ class Engine(BatchGetters, torch.nn.Module):
 
         from safetensors.torch import save_file
 
-        if self.reducer.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        if self.strategy.partitions_parameters and \
+                not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             logger.warning("save_16bit_model: ZeRO stage 3 keeps the weights partitioned and "
                            "zero_optimization.stage3_gather_16bit_weights_on_model_save is false, so nothing "
                            "was saved; set it to true, or save a checkpoint and run "
@@ -325,7 +329,7 @@ class Engine(BatchGetters, torch.nn.Module):
 
     def training_state(self) -> dict:
         """Counters, scheduler and loss scaler: the state every rank shares. The optimizer state
-        and masters (per rank under ZeRO) come from `self.reducer.state_dict()`."""
+        and masters (per rank under ZeRO) come from `self.strategy.state_dict()`."""
         return {
             "global_steps": self.global_steps,
             "micro_steps": self.micro_steps,

@@ -78,7 +78,7 @@ class PipelineEngine(Engine):
         self.train_program = build_schedule(schedule, stages, micro_batches, stage, v)
         self.eval_program = forward_only(stages, micro_batches, stage, v)
         act_group = self.mesh.pp_group if stages > 1 else None
-        self.executor = StageExecutor(module, act_group, grad_group, self.compute_dtype, self.reducer)
+        self.executor = StageExecutor(module, act_group, grad_group, self.compute_dtype, self.strategy)
         self._batch_loss = 0.0
         self._tied_transfers: list = []  # this step's sends / receives of tied-copy gradients
         self._tied_incoming: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # owner: (sum, received)
@@ -199,14 +199,14 @@ class PipelineEngine(Engine):
         for tie in self.ties:
             for total in tie.sums:
                 total.zero_()
-        self.reducer.zero_grad()
+        self.strategy.zero_grad()
 
     def _reduce_grads(self) -> None:
-        self.reducer.start_backward(boundary=True)
+        self.strategy.start_backward(boundary=True)
         owned = [(t, s.to(t.dtype)) for tie in self.ties if tie.owner for t, s in zip(tie.tensors, tie.sums)]
         if owned:
             torch.autograd.backward([t for t, _ in owned], [s for _, s in owned])
-        self.reducer.finish_backward()
+        self.strategy.finish_backward()
 
     @torch.no_grad()
     def _optimizer_step(self) -> None:
@@ -227,7 +227,7 @@ def _whole_batches_only() -> RuntimeError:
                         "engine.eval_batch(data_iter) instead of engine(...), engine.backward() and engine.step()")
 
 
-def build_pipeline_engine(module: PipelineModule, cfg, mesh: ParallelMesh, batch, master, reducer, optimizer,
+def build_pipeline_engine(module: PipelineModule, cfg, mesh: ParallelMesh, batch, master, strategy, optimizer,
                           lr_scheduler, loss_scaler, comms_logger, monitors) -> PipelineEngine:
     """The pipeline engine over what `trident.initialize` built for a `PipelineModule`.
 
@@ -242,7 +242,7 @@ def build_pipeline_engine(module: PipelineModule, cfg, mesh: ParallelMesh, batch
         # A second group over each pipeline's ranks: gradients travel FIFO apart from activations.
         grad_group = _new_groups([[mesh.ranks[r] for r in g] for g in mesh.topology.axis_groups("pp")])
         ties = _tie_groups(module, mesh)
-    engine = PipelineEngine(module, cfg, mesh, batch, master, reducer, optimizer, lr_scheduler, loss_scaler,
+    engine = PipelineEngine(module, cfg, mesh, batch, master, strategy, optimizer, lr_scheduler, loss_scaler,
                             comms_logger, monitors, schedule=cfg.pipeline.schedule,
                             micro_batches=micro_batches, grad_group=grad_group, ties=ties)
     _log_pipeline(engine)

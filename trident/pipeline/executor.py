@@ -89,18 +89,18 @@ class StageExecutor:
     """Interprets instruction lists for `module`'s stage.
 
     `act_group` and `grad_group` are two process groups over the pipeline's ranks in stage
-    order (None with one stage). `reducer` is the engine's gradient strategy (None to skip the
+    order (None with one stage). `strategy` is the engine's gradient strategy (None to skip the
     calls around each backward pass).
     """
 
     def __init__(self, module: PipelineModule, act_group: dist.ProcessGroup | None,
                  grad_group: dist.ProcessGroup | None, compute_dtype: torch.dtype = torch.float32,
-                 reducer: Any = None) -> None:
+                 strategy: Any = None) -> None:
         self.module = module
         self.stage, self.stages = module.stage_id, module.num_stages
         self.groups = {"act": act_group, "grad": grad_group}
         self.compute_dtype = compute_dtype
-        self.reducer = reducer
+        self.strategy = strategy
         tensors = list(module.parameters()) + list(module.buffers())
         self.device = tensors[0].device if tensors else torch.device("cpu")  # where transfers land
         self.record = False  # keep a trace of the last run, for benchmarks
@@ -253,12 +253,12 @@ class StageExecutor:
         self._finish_backward()
 
     def _start_backward(self) -> None:
-        if self.reducer is not None:
-            self.reducer.start_backward(boundary=False)
+        if self.strategy is not None:
+            self.strategy.start_backward(boundary=False)
 
     def _finish_backward(self) -> None:
-        if self.reducer is not None:
-            self.reducer.finish_backward()
+        if self.strategy is not None:
+            self.strategy.finish_backward()
 
     # -- transfers -------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from trident.zero.stage1 import FullGradients
 from trident.zero.stage2 import ShardedGradients
 from trident.zero.offload import make_param_store, make_placement
 from trident.zero.stage3 import Stage3Coordinator, build_partition, module_units
+from trident.zero.state import fill_partition_state, same_partitioning
 
 
 @dataclass
@@ -65,7 +66,11 @@ class PartitionGroup:
 
 
 class ZeroOptimizer:
-    """ZeRO stages 1-3 for one engine: the engine-facing side of the gradient and step path."""
+    """ZeRO stages 1-3 for one engine: the engine-facing side of the gradient and step path
+    (a `trident.engine.strategy.GradientStrategy`)."""
+
+    per_rank_state = True  # each dp rank writes its own partition
+    averaged_gradients = False  # gradients live in partitioned buffers, not on the parameters
 
     def __init__(self, stage: int, optimizer: torch.optim.Optimizer, named_params: dict[int, str], mesh,
                  zero_cfg, dtype: torch.dtype, predivide_factor: float, prescale: bool,
@@ -74,6 +79,7 @@ class ZeroOptimizer:
             raise ValueError("the optimizer passed to trident.initialize already has state; pass a fresh "
                              "optimizer (or its config) so ZeRO can partition its state")
         self.stage, self.optimizer, self.mesh, self.cfg = stage, optimizer, mesh, zero_cfg
+        self.zero_stage, self.partitions_parameters = stage, stage == 3
         self.dtype, self.logger = dtype, logger
         self.group = mesh.dp_group
         self.world, self.rank = mesh.dp_size, mesh.dp_rank
@@ -386,6 +392,22 @@ class ZeroOptimizer:
                         "masters": [m.detach().clone() for m in pg.masters]} for pg in self.groups],
             "optimizer": self.optimizer.state_dict(),
         }
+
+    def same_state_layout(self, saved: dict | None) -> bool:
+        return saved is not None and same_partitioning(self.state_dict_skeleton(), saved)
+
+    def state_dict_skeleton(self) -> dict:
+        """The partition dict's structure (names, chunks), without copying any tensor."""
+        return {"groups": [{"names": pg.names, "chunks": [list(c) for c in pg.chunks]} for pg in self.groups]}
+
+    def fill_resharded_state(self, skeleton: dict, param_state, where: str) -> None:
+        fill_partition_state(skeleton, param_state)
+
+    def full_shape(self, t: torch.Tensor) -> tuple[int, ...]:
+        """A parameter's shape as the model defines it (under stage 3 its data is a placeholder)."""
+        pg = self.param_to_group[id(t)]
+        index = next(i for i, q in enumerate(pg.params) if q is t)
+        return next(s.shape for u in pg.layout.units for s in u.slots if s.index == index)
 
     def _swapped_state_dict(self) -> dict:
         optimizer = self.optimizer.state_dict()
