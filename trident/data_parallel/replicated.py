@@ -23,9 +23,10 @@ class ReplicatedOptimizer:
     averaged_gradients = True
 
     def __init__(self, reducer: GradientReducer, master: MasterWeights, optimizer: torch.optim.Optimizer,
-                 mesh, names: list[str]) -> None:
+                 mesh, names: list[str], frozen: list[torch.nn.Parameter] = ()) -> None:
         self.reducer, self.master, self.optimizer, self.mesh = reducer, master, optimizer, mesh
         self.names = names
+        self.frozen = list(frozen)  # requires_grad=False: no gradient, no state, no traffic; bytes only
         sharded = [bool(getattr(p, "tensor_model_parallel", False)) for p in reducer.params]
         self._sharded = [g for g, s in zip(reducer.grads, sharded) if s]
         self._replicated = [g for g, s in zip(reducer.grads, sharded) if not s]
@@ -61,7 +62,7 @@ class ReplicatedOptimizer:
         self.master.copy_to_model()
 
     def memory_breakdown(self) -> dict[str, int]:
-        params = sum(p.numel() * p.element_size() for p in self.reducer.params)
+        params = sum(p.numel() * p.element_size() for p in [*self.reducer.params, *self.frozen])
         grads = self.reducer.buffer.data.numel() * self.reducer.buffer.data.element_size()
         masters = sum(m.numel() * 4 for m, c in zip(self.master.master_params, self.master.is_copy) if c)
         optim = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()

@@ -178,11 +178,12 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
             logger=comms_logger)
         optimizer = _make_optimizer(optimizer, model_parameters, params, master, cfg)
         names = {id(p): n for n, p in model.named_parameters()}
-        return master, ReplicatedOptimizer(reducer, master, optimizer, mesh, [names[id(p)] for p in params]), optimizer
+        strategy = ReplicatedOptimizer(reducer, master, optimizer, mesh, [names[id(p)] for p in params], frozen)
+        return master, strategy, optimizer
     optimizer = _make_optimizer(optimizer, model_parameters, params, None, cfg)
     names = {id(p): n for n, p in model.named_parameters()}
     strategy = ZeroOptimizer(zero.stage, optimizer, names, mesh, zero, dtype, cfg.gradient_predivide_factor,
-                             cfg.prescale_gradients, comms_logger, model=model, aio=cfg.aio)
+                             cfg.prescale_gradients, comms_logger, model=model, aio=cfg.aio, frozen=frozen)
     return None, strategy, optimizer
 
 

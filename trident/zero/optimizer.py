@@ -74,13 +74,17 @@ class ZeroOptimizer:
 
     def __init__(self, stage: int, optimizer: torch.optim.Optimizer, named_params: dict[int, str], mesh,
                  zero_cfg, dtype: torch.dtype, predivide_factor: float, prescale: bool,
-                 logger: CommsLogger | None, model: torch.nn.Module | None = None, aio=None) -> None:
+                 logger: CommsLogger | None, model: torch.nn.Module | None = None, aio=None,
+                 frozen: list[torch.nn.Parameter] = ()) -> None:
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError("the optimizer passed to trident.initialize already has state; pass a fresh "
                              "optimizer (or its config) so ZeRO can partition its state")
         self.stage, self.optimizer, self.mesh, self.cfg = stage, optimizer, mesh, zero_cfg
         self.zero_stage, self.partitions_parameters = stage, stage == 3
         self.dtype, self.logger = dtype, logger
+        # requires_grad=False: no gradient, no optimizer state, no traffic. They stay whole on every
+        # rank (also under stage 3), so they count in full as parameters.
+        self.frozen = list(frozen)
         self.group = mesh.dp_group
         self.world, self.rank = mesh.dp_size, mesh.dp_rank
         self.scaling = GradScaling(self.world, predivide_factor, prescale)
@@ -345,7 +349,8 @@ class ZeroOptimizer:
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer states (fp32 masters included) held here."""
-        params = grads = states = 0
+        params = sum(p.numel() * p.element_size() for p in self.frozen)
+        grads = states = 0
         for pg in self.groups:
             if pg.flat is not None:
                 params += pg.flat.numel() * pg.flat.element_size()
