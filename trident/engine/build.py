@@ -170,6 +170,7 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
     """Stage 0: the all-reduce reducer and fp32 masters; stages 1-3: ZeRO's partitions.
     Returns (masters or None, the engine's gradient/step strategy, the optimizer)."""
     zero = cfg.zero_optimization
+    frozen = [p for p in model.parameters() if not p.requires_grad]
     if zero.stage == 0:
         master = MasterWeights(params)
         reducer = GradientReducer(
