@@ -56,7 +56,7 @@ def _switch(setting: str) -> None:
 
 def _recorder_cost(calls: int = 20000) -> float:
     """Seconds to record and complete one collective call, measured on this rank alone."""
-    from trident.diagnostics.recorder import FlightRecorder
+    from trident.comm.recorder import FlightRecorder
     recorder = FlightRecorder(256, dist.get_rank(), 1800.0)
     t = torch.ones(1000)
     group = dist.group.WORLD

@@ -7,7 +7,9 @@ consolidation functions carry DeepSpeed's names; `checkpointing` is activation c
 (`configure`, `checkpoint`, `is_configured`, as `deepspeed.checkpointing`).
 """
 
-from trident import checkpointing, zero
+# trident.optim registers its optimizer and scheduler rules with the config loader when imported;
+# importing it here, before anything can load a config, means `load_config` always has them.
+from trident import checkpointing, optim, zero
 from trident.checkpointing import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
 from trident.config import load_config
 from trident.engine.build import initialize

@@ -87,7 +87,7 @@ def engine_run(tp: int, stage: int, section: dict | None):
         engine.backward(engine(idx[:, :-1], idx[:, 1:]))
         engine.step()
         losses.append(engine.last_loss)
-    partitioned = activation.settings().partition_group is not None
+    partitioned = activation.settings_of(engine.module).partition_group is not None
     checkpointing.reset()
     return losses, wrapped, partitioned
 
@@ -105,23 +105,25 @@ def test_config_section_through_initialize_keeps_losses(tp, stage, section):
 
 
 def settings_after_initializes():
-    """What each of three initializes leaves: after a user's configure, after a config section,
-    and after a config without the section."""
+    """What each of three initializes of one model leaves, after a user's configure: without
+    the section, with it, and without it again. Per initialize: (the process-wide settings
+    are still the user's, the model uses them, its cpu_checkpointing, its profile)."""
     checkpointing.reset()
     mesh = cached_mesh()
     base = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     seen = []
-    checkpointing.configure(mesh, cpu_checkpointing=True)
+    user = checkpointing.configure(mesh, cpu_checkpointing=True)
+    model = GPT(CFG)
     for section in (None, {"profile": True}, None):
         cfg = dict(base, activation_checkpointing=section) if section else base
-        trident.initialize(model=GPT(CFG), config=cfg, mesh=mesh)
-        current = activation.settings()
-        seen.append((checkpointing.is_configured(), current.cpu_checkpointing, current.profile))
+        engine, *_ = trident.initialize(model=model, config=cfg, mesh=mesh)
+        current = activation.settings_of(engine.module)
+        seen.append((activation.settings() is user, current is user, current.cpu_checkpointing, current.profile))
     checkpointing.reset()
     return seen
 
 
 def test_initialize_keeps_user_settings_and_clears_its_own():
     (seen,) = run_on_ranks(1, settings_after_initializes)
-    assert seen == [(True, True, False), (True, False, True), (False, False, False)]
+    assert seen == [(True, True, True, False), (True, False, False, True), (True, True, True, False)]

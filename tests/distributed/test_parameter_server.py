@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import trident
+from trident.engine.engine import Engine
+from trident.engine.strategy import GradientStrategy, RemoteStrategy
 from trident.models.toy import TinyMLP, make_regression_data
 from trident.parameter_server import format_updates, serve, staleness_violations
 from trident.testing.distributed import cached_mesh, run_on_ranks
@@ -259,6 +261,9 @@ def ckpt_run(servers: int, folder: str, resume: bool) -> dict:
         return {"role": "server", "version": serve(cfg, model, mesh=mesh).version}
     engine, optimizer, _, schedule = trident.initialize(model=model, config=cfg, mesh=mesh)
     missing = [name for name in ENGINE_API if not hasattr(engine, name)]
+    # the one Engine, over a strategy that implements both protocols
+    one_engine = (type(engine) is Engine and isinstance(engine.strategy, GradientStrategy)
+                  and isinstance(engine.strategy, RemoteStrategy))
     if resume:
         path, client = engine.load_checkpoint(folder)
         assert client == {"note": "four steps"} and path.endswith("global_step4"), (path, client)
@@ -272,7 +277,8 @@ def ckpt_run(servers: int, folder: str, resume: bool) -> dict:
     engine.save_16bit_model(folder, f"final_{servers}.safetensors")
     weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     engine.close()
-    return {"role": "worker", "weights": weights, "lrs": lrs, "missing": missing, "steps": engine.global_steps}
+    return {"role": "worker", "weights": weights, "lrs": lrs, "missing": missing, "steps": engine.global_steps,
+            "one_engine": one_engine}
 
 
 def test_checkpoint_restores_server_state_into_another_layout(tmp_path):
@@ -287,6 +293,7 @@ def test_checkpoint_restores_server_state_into_another_layout(tmp_path):
     a = [r for r in first if r["role"] == "worker"]
     b = [r for r in second if r["role"] == "worker"]
     assert a[0]["missing"] == [] and b[0]["missing"] == []
+    assert all(r["one_engine"] for r in a + b)
     assert [r["version"] for r in first if r["role"] == "server"] == [8, 8]
     assert [r["version"] for r in second if r["role"] == "server"] == [8]
     assert_state_close(load_file(str(tmp_path / "ckpt" / "final_1.safetensors")), a[0]["weights"], rtol=1e-6)

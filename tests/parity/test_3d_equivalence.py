@@ -19,7 +19,7 @@ from trident.models.gpt import GPTConfig
 from trident.models.gpt_pipe import gpt_pipe, gpt_shard_specs, gpt_state_dict, load_gpt_state_dict
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from tests.parity.test_pp_equivalence import OPT_LR, SGD_CLIP, MODEL, make_gpt, make_tokens
-from trident.testing.parity import optimizer_section
+from trident.testing.parity import optimizer_section, precision_sections
 from tests.parity.test_pp_equivalence import check as pp_check
 
 STEPS = 10
@@ -28,7 +28,8 @@ GLOBAL = 8   # sequences per optimizer step under every layout
 CLIP = 0.05
 
 
-def train_3d(pp: int, tp: int, sequence_parallel: bool, recompute: bool, optimizer: str = "adamw"):
+def train_3d(pp: int, tp: int, sequence_parallel: bool, recompute: bool, optimizer: str = "adamw",
+             precision: str = "fp32"):
     """Runs on every rank: dp = world / (pp tp). Returns losses, this rank's weights under GPT's
     names, their tp specs, the rank's (pp, dp, tp) coordinates, the gradient norms and whether the
     checkpointed inputs were partitioned."""
@@ -47,6 +48,7 @@ def train_3d(pp: int, tp: int, sequence_parallel: bool, recompute: bool, optimiz
         "tensor_parallel": {"size": tp, "sequence_parallel": sequence_parallel},
         "activation_checkpointing": {"partition_activations": recompute and tp > 1,
                                      "cpu_checkpointing": recompute},
+        **precision_sections(precision),
     }
     engine, *_ = trident.initialize(model=pipe, config=config, mesh=mesh)
     data = make_tokens(GLOBAL)
@@ -59,7 +61,7 @@ def train_3d(pp: int, tp: int, sequence_parallel: bool, recompute: bool, optimiz
         norms.append(engine.get_global_grad_norm())
     weights = {k: v.detach().float().clone() for k, v in gpt_state_dict(pipe, cfg).items()}
     specs = gpt_shard_specs(pipe, cfg)
-    partitioned = activation.settings().partition_group is not None
+    partitioned = activation.settings_of(pipe).partition_group is not None
     return losses, weights, specs, (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), norms, partitioned
 
 

@@ -21,7 +21,7 @@ from trident.models.gpt_pipe import gpt_pipe, gpt_shard_specs, gpt_state_dict, l
 from trident.tensor_parallel import merge_state_dicts, parallelize
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import (SerialRun, assert_losses_close, assert_norms_close, assert_state_close,
-                                    optimizer_section, train_serial)
+                                    optimizer_section, precision_sections, train_serial)
 
 STEPS = 20
 MICRO = 2
@@ -64,7 +64,7 @@ def pipeline_engine(model, config: dict, mesh) -> PipelineEngine:
 
 
 def train_pp(pp: int, schedule: str, v: int, micro_batches: int, clip: float, zero_stage: int = 0,
-             tp: int = 1, optimizer: str = "adamw"):
+             tp: int = 1, optimizer: str = "adamw", precision: str = "fp32"):
     """Runs on every rank: the pipelined GPT over the whole world (dp = world / (pp tp)).
 
     Returns the losses, this rank's weights under GPT's names, their tp shard specs, the rank's
@@ -85,6 +85,7 @@ def train_pp(pp: int, schedule: str, v: int, micro_batches: int, clip: float, ze
         "pipeline": {"stages": pp, "schedule": schedule, "virtual_stages": v, "partition_method": "uniform"},
         "tensor_parallel": {"size": tp},
         "steps_per_print": 0,
+        **precision_sections(precision),
     }
     engine = pipeline_engine(pipe, config, mesh)
     global_batch = MICRO * micro_batches * mesh.dp_size

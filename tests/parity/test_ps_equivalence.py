@@ -21,7 +21,7 @@ from trident.optim.schedulers import build_scheduler
 from trident.parameter_server import serve
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import (SerialRun, assert_losses_close, assert_norms_close, assert_state_close,
-                                    optimizer_section, train_serial)
+                                    optimizer_section, precision_sections, train_serial)
 
 STEPS = 12
 # No biases, as in the data-parallel parity test: the key bias's gradient is pure rounding noise.
@@ -43,7 +43,7 @@ def make_tokens(global_batch: int) -> torch.Tensor:
 
 
 def config(servers: int, micro: int, gas: int, clip: float, placement: str = "balanced",
-           optimizer: str = "adamw") -> dict:
+           optimizer: str = "adamw", precision: str = "fp32") -> dict:
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
@@ -53,6 +53,7 @@ def config(servers: int, micro: int, gas: int, clip: float, placement: str = "ba
         "zero_optimization": {"stage": 0, "reduce_bucket_size": 3000},  # several buckets per shard
         "parameter_server": {"servers": servers, "mode": "sync", "placement": placement},
         "steps_per_print": 0,
+        **precision_sections(precision),
     }
 
 
@@ -98,10 +99,11 @@ def serial_lrs() -> list[float]:
     return lrs
 
 
-def run_ps(servers: int, micro: int, gas: int, clip: float, placement: str, optimizer: str = "adamw"):
+def run_ps(servers: int, micro: int, gas: int, clip: float, placement: str, optimizer: str = "adamw",
+           precision: str = "fp32"):
     """Every rank: the first `servers` serve, the rest train through trident.initialize."""
     mesh = cached_mesh()
-    cfg = config(servers, micro, gas, clip, placement, optimizer)
+    cfg = config(servers, micro, gas, clip, placement, optimizer, precision)
     if dist.get_rank() < servers:
         result = serve(cfg, make_model(), mesh=mesh)
         return {"role": "server", "params": result.parameters, "version": result.version,

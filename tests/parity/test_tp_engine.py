@@ -13,7 +13,7 @@ from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import assert_losses_close, assert_state_close
 from tests.parity.test_dp_equivalence import (OPT_LR, SGD_CLIP, check_clipped, make_model, mean_losses,
                                              serial_reference, train_steps)
-from trident.testing.parity import optimizer_section
+from trident.testing.parity import optimizer_section, precision_sections
 
 
 class PlainMLP(nn.Module):
@@ -59,12 +59,12 @@ def test_plain_mlp_trains_under_tp_by_config_alone():
 
 
 def train_gpt(tp: int, stage: int, micro: int, clip: float, sequence_parallel: bool = False,
-              optimizer: str = "adamw"):
+              optimizer: str = "adamw", precision: str = "fp32"):
     mesh = cached_mesh(tp=tp)
     cfg = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 0, "gradient_clipping": clip,
            "optimizer": optimizer_section(optimizer, OPT_LR[optimizer]),
            "tensor_parallel": {"size": tp, "sequence_parallel": sequence_parallel},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}, **precision_sections(precision)}
     engine, *_ = trident.initialize(model=make_model(), config=cfg, mesh=mesh)
     losses, norms = train_steps(engine, mesh, micro, 1)
     return losses, {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}, \

@@ -91,6 +91,12 @@ CASES = [
     ("hf auto outside the batch keys", {"gradient_clipping": "auto"}, None,
      "gradient_clipping: expected a non-negative number, got 'auto' (str); 0 disables clipping; \"auto\" is "
      "accepted only for the three batch sizes"),
+    ("context parallelism not yet", {"context_parallel": {"size": 2}}, None,
+     "context_parallel.size: 2 is not supported yet (context parallelism is not implemented); set it to 1"),
+    ("expert parallelism not yet", {"expert_parallel": {"size": 4}}, None,
+     "expert_parallel.size: 4 is not supported yet (expert parallelism is not implemented); set it to 1"),
+    ("unknown expert_parallel key", {"expert_parallel": {"num_experts": 8}}, None,
+     "expert_parallel.num_experts: unknown key; remove it or fix the spelling. Allowed keys: size"),
     ("model type", {"model": {"type": "bert"}}, None, "model.type: expected one of 'gpt', got 'bert' (str)"),
     ("val_fraction 1", {"data": {"val_fraction": 1.0}}, None,
      "data.val_fraction: expected a number in [0, 1), got 1.0 (float)"),

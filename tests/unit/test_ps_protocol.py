@@ -143,3 +143,19 @@ def test_worker_views_of_optimizer_and_schedule():
         opt.step()
     with pytest.raises(RuntimeError, match="lr_scheduler.step\\(\\) on a worker"):
         sched.step()
+
+
+def test_every_strategy_has_the_protocol_methods():
+    """The engine calls these on any strategy; a parameter-server worker's adds RemoteStrategy's."""
+    from trident.data_parallel.replicated import ReplicatedOptimizer
+    from trident.engine.strategy import GradientStrategy, RemoteStrategy
+    from trident.parameter_server import PushPullStrategy
+    from trident.zero.optimizer import ZeroOptimizer
+
+    def methods(protocol) -> set[str]:
+        return {n for n, v in vars(protocol).items() if not n.startswith("_") and callable(v)}
+
+    for cls in (ReplicatedOptimizer, ZeroOptimizer, PushPullStrategy):
+        assert sorted(n for n in methods(GradientStrategy) if not hasattr(cls, n)) == [], cls.__name__
+    assert sorted(n for n in methods(RemoteStrategy) | {"server_version"} if not hasattr(PushPullStrategy, n)) == []
+    assert not any(hasattr(cls, n) for cls in (ReplicatedOptimizer, ZeroOptimizer) for n in methods(RemoteStrategy))

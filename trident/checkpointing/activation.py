@@ -28,8 +28,17 @@ Selective checkpointing: `apply_activation_checkpointing(model, layers=[regex, .
 wraps every k-th submodule whose qualified name matches; PipelineModule's
 `activation_checkpoint_interval` checkpoints every run of k layers through `checkpoint` too.
 
-The settings are process-wide because DeepSpeed's API is (`configure` once, `checkpoint`
-anywhere); `configure` returns the settings object and `reset` clears it.
+Whose settings a call uses. DeepSpeed's API is process-wide (`configure` once, `checkpoint`
+anywhere), and so is `configure` here: it sets the process-wide settings, returns them, and
+`reset` clears them. A model can also own settings (`make_settings`, then `bind`), as
+trident.initialize does with the config section, so that two engines in one process do not
+share them. A `checkpoint` call uses, first found:
+
+  1. the settings of the module it runs for: a module wrapped by `apply_activation_checkpointing`
+     with `settings=`;
+  2. the settings of the model running now: a bound model's forward, or a PipelineModule's
+     `run_chunk` (so a model's own direct `checkpoint` calls follow its engine's config);
+  3. the process-wide settings of `configure` (defaults when it was not called).
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ from __future__ import annotations
 import functools
 import re
 import time
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -49,7 +60,7 @@ from trident.parallel.rng import RNGTracker
 
 @dataclass
 class CheckpointSettings:
-    """What `configure` set; read by every `checkpoint` call."""
+    """How `checkpoint` keeps inputs: the process-wide ones of `configure`, or a model's own."""
 
     mesh: Any = None
     partition_activations: bool = False
@@ -60,8 +71,6 @@ class CheckpointSettings:
     profile: bool = False
     timings: dict[str, float] = field(default_factory=lambda: {"forward_s": 0.0, "recompute_s": 0.0, "calls": 0})
     slots: "_Slots | None" = None
-    from_config: bool = False
-    """Made by trident.initialize from a config section (a later initialize without one clears it)."""
 
     @property
     def partition_group(self):
@@ -73,6 +82,10 @@ class CheckpointSettings:
 
 
 _SETTINGS: CheckpointSettings | None = None
+# The settings of the model running now (set by a bound model's forward, or `running`).
+_ACTIVE: ContextVar[CheckpointSettings | None] = ContextVar("trident_checkpoint_settings", default=None)
+# Attribute naming the settings a module owns (`bind`, `apply_activation_checkpointing`).
+_OWN = "_trident_checkpoint_settings"
 
 
 def configure(mpu_=None, deepspeed_config=None, partition_activations: bool | None = None,
@@ -80,11 +93,26 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: bool | No
               number_checkpoints: int | None = None, synchronize: bool | None = None,
               profile: bool | None = None, *, contiguous_checkpointing: bool | None = None,
               num_checkpoints: int | None = None, checkpoint_in_cpu: bool | None = None) -> CheckpointSettings:
-    """Set how `checkpoint` keeps inputs. `mpu_` is the ParallelMesh (its tp group partitions
-    activations); `deepspeed_config` may be a trident Config (or its activation_checkpointing
-    section) whose values fill the arguments left as None. DeepSpeed's own argument names
-    (`contiguous_checkpointing`, `num_checkpoints`, `checkpoint_in_cpu`) are accepted too."""
+    """Set how `checkpoint` keeps inputs, process-wide (for calls no model owns settings for);
+    returns the settings. Arguments as `make_settings`."""
     global _SETTINGS
+    _SETTINGS = make_settings(mpu_, deepspeed_config, partition_activations, contiguous_memory_optimization,
+                              cpu_checkpointing, number_checkpoints, synchronize, profile,
+                              contiguous_checkpointing=contiguous_checkpointing, num_checkpoints=num_checkpoints,
+                              checkpoint_in_cpu=checkpoint_in_cpu)
+    return _SETTINGS
+
+
+def make_settings(mpu_=None, deepspeed_config=None, partition_activations: bool | None = None,
+                  contiguous_memory_optimization: bool | None = None, cpu_checkpointing: bool | None = None,
+                  number_checkpoints: int | None = None, synchronize: bool | None = None,
+                  profile: bool | None = None, *, contiguous_checkpointing: bool | None = None,
+                  num_checkpoints: int | None = None, checkpoint_in_cpu: bool | None = None) -> CheckpointSettings:
+    """New settings, not installed anywhere (`configure` or `bind` installs them). `mpu_` is the
+    ParallelMesh (its tp group partitions activations); `deepspeed_config` may be a trident
+    Config (or its activation_checkpointing section) whose values fill the arguments left as
+    None. DeepSpeed's own argument names (`contiguous_checkpointing`, `num_checkpoints`,
+    `checkpoint_in_cpu`) are accepted too."""
     for ours, theirs in ((contiguous_memory_optimization, contiguous_checkpointing),
                          (number_checkpoints, num_checkpoints), (cpu_checkpointing, checkpoint_in_cpu)):
         if ours is not None and theirs is not None and ours != theirs:
@@ -111,7 +139,6 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: bool | No
                              f"activation_checkpointing.number_checkpoints (a positive integer: how many "
                              f"checkpointed layers are alive at once), got {n!r}")
         settings.slots = _Slots(n)
-    _SETTINGS = settings
     return settings
 
 
@@ -125,24 +152,76 @@ def is_configured() -> bool:
 
 
 def reset() -> None:
-    """Forget the settings (tests, or a second engine with other settings)."""
+    """Forget the process-wide settings (models' own settings are kept)."""
     global _SETTINGS
     _SETTINGS = None
 
 
 def settings() -> CheckpointSettings:
-    """The current settings (the defaults when `configure` was not called)."""
+    """The process-wide settings (the defaults when `configure` was not called)."""
     return _SETTINGS if _SETTINGS is not None else CheckpointSettings()
 
 
-def profile_timings() -> dict[str, float]:
-    """Seconds spent in checkpointed forwards and reruns, and the number of calls (profile=True)."""
-    return dict(settings().timings)
+def bind(model: nn.Module, own: CheckpointSettings | None) -> None:
+    """Give `model` settings of its own (None: none, the process-wide ones apply again). While
+    it runs (its forward, or a PipelineModule's `run_chunk`), `checkpoint` calls use them."""
+    setattr(model, _OWN, own)
+    if own is not None and not hasattr(model, "_trident_checkpoint_tokens"):
+        model._trident_checkpoint_tokens = []
+        model.register_forward_pre_hook(_enter)
+        model.register_forward_hook(_leave, always_call=True)
+
+
+def settings_of(module: nn.Module) -> CheckpointSettings:
+    """The settings `module`'s checkpointed calls use: its own, else the process-wide ones."""
+    own = getattr(module, _OWN, None)
+    return own if own is not None else settings()
+
+
+@contextmanager
+def running(module: nn.Module):
+    """`checkpoint` calls inside the block use `module`'s own settings, if it has any."""
+    token = _ACTIVE.set(getattr(module, _OWN, None) or _ACTIVE.get())
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _enter(module: nn.Module, args: Any) -> None:
+    module._trident_checkpoint_tokens.append(_ACTIVE.set(getattr(module, _OWN, None) or _ACTIVE.get()))
+
+
+def _leave(module: nn.Module, args: Any, output: Any) -> None:
+    if module._trident_checkpoint_tokens:  # empty if an earlier pre-hook raised before _enter ran
+        _ACTIVE.reset(module._trident_checkpoint_tokens.pop())
+
+
+def current_settings() -> CheckpointSettings:
+    """The settings a `checkpoint` call made now uses: the running model's own, else the
+    process-wide ones."""
+    active = _ACTIVE.get()
+    return active if active is not None else settings()
+
+
+def profile_timings(module: nn.Module | None = None) -> dict[str, float]:
+    """Seconds spent in checkpointed forwards and reruns, and the number of calls (profile=True),
+    under the process-wide settings or those `module` uses (`settings_of`)."""
+    return dict((settings() if module is None else settings_of(module)).timings)
 
 
 def checkpoint(function: Callable, *args: Any) -> Any:
     """`function(*args)`, keeping only its tensor inputs for backward (see the module docstring)."""
-    current = settings()
+    return _checkpoint(current_settings(), function, args)
+
+
+def _checkpoint_module(module: nn.Module, forward: Callable, *args: Any) -> Any:
+    """A module wrapped by `apply_activation_checkpointing`: its own settings, else the current."""
+    own = getattr(module, _OWN, None)
+    return _checkpoint(own if own is not None else current_settings(), forward, args)
+
+
+def _checkpoint(current: CheckpointSettings, function: Callable, args: tuple) -> Any:
     if not torch.is_grad_enabled():
         return function(*args)
     anchor = torch.empty(0, requires_grad=True)  # backward runs even if no input needs grad
@@ -345,9 +424,11 @@ def _sync(current: CheckpointSettings) -> None:
 # -- selective checkpointing -------------------------------------------------------------------------
 
 
-def apply_activation_checkpointing(model: nn.Module, layers: list[str], every: int = 1) -> list[str]:
+def apply_activation_checkpointing(model: nn.Module, layers: list[str], every: int = 1,
+                                   settings: CheckpointSettings | None = None) -> list[str]:
     """Checkpoint every `every`-th submodule whose qualified name fully matches one of the
-    regexes `layers` (counted in module order); returns the wrapped names."""
+    regexes `layers` (counted in module order); returns the names wrapped now. `settings`: the
+    modules' own (trident.initialize passes its engine's); None = those current when they run."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"activation_checkpointing.every must be a positive integer, got {every!r}")
     patterns = []
@@ -364,9 +445,10 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[str], every: i
         raise ValueError(f"activation_checkpointing.layers {layers} match no submodule of "
                          f"{type(model).__name__} (its modules are named like: {sample}, ...)")
     wrapped = []
-    for i, (name, module) in enumerate(matches):
-        if i % every == 0 and not getattr(module, "_trident_checkpointed", False):
-            module.forward = functools.partial(checkpoint, module.forward)
+    for name, module in matches[::every]:
+        setattr(module, _OWN, settings)
+        if not getattr(module, "_trident_checkpointed", False):
+            module.forward = functools.partial(_checkpoint_module, module, module.forward)
             module._trident_checkpointed = True
             wrapped.append(name)
     logger.info("activation checkpointing: %d module(s) recompute in backward (%s%s)", len(wrapped),

@@ -20,7 +20,7 @@ Everything else (AVG, MAX, MIN, PRODUCT in all reductions including reduce_scatt
 all_to_all, async variants) is native on gloo. An async call returns a `Handle`; its `wait()`
 completes the op and stops the logger's clock.
 
-Every call is also noted by the hang detector's flight recorder (trident/diagnostics) when it
+Every call is also noted by the hang detector's flight recorder (`recorder.py` here) when it
 is on: op, group, the group's call number, the tensor's shape and dtype, and the call site. A
 blocking call is watched from issue to return; an async one while `Handle.wait()` blocks.
 """
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from trident.comm.logger import CommsLogger, Span
-from trident.diagnostics import recorder as flight
+from trident.comm import recorder as flight
 
 ReduceOp = dist.ReduceOp
 ProcessGroup = dist.ProcessGroup

@@ -6,10 +6,16 @@ The steps, each adding to one list of issues:
   2. walk the keys against the schema: deprecated aliases are renamed (warned once), real
      DeepSpeed keys trident lacks get a specific message, other unknown keys a "did you mean";
   3. let pydantic check types and ranges, translated into JSON paths and plain messages;
-  4. check `optimizer` and `scheduler` type and params with trident.optim's own rules, and fill
-     in their defaults so the resolved config shows what will actually run.
+  4. check `optimizer` and `scheduler` type and params with the rules their owner registered
+     (`register_section_rules`), and fill in their defaults so the resolved config shows what
+     will actually run.
 
 Any issue raises one `ConfigError` listing them all.
+
+Why a registry: trident.optim validates its own `params` with this module's helpers, so config
+must not import optim back. trident.optim registers its rules when imported, and `import
+trident` (which runs before any `trident.config` import) imports trident.optim, so the rules are
+in place whenever a config is loaded; a missing registration is an error, never a silent skip.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Callable, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -30,6 +36,37 @@ from trident.config.schema import DEPRECATED_ALIASES, SYNONYMS, UNIMPLEMENTED_KE
 M = TypeVar("M", bound=BaseModel)
 
 _warned_aliases: set[str] = set()
+
+# Sections whose `type` names an implementation elsewhere; its owner checks `params` (see above).
+TYPED_SECTIONS = ("optimizer", "scheduler")
+
+
+class SectionRules(NamedTuple):
+    """What the owner of a typed section supplies: `check(type, params)` returns every problem
+    at JSON paths under the section's key; `resolve(section)` returns the parsed section with
+    its canonical type and every param filled in."""
+
+    check: Callable[[Any, dict], list[ConfigIssue]]
+    resolve: Callable[[Any], Any]
+
+
+_section_rules: dict[str, SectionRules] = {}
+
+
+def register_section_rules(key: str, check: Callable[[Any, dict], list[ConfigIssue]],
+                           resolve: Callable[[Any], Any]) -> None:
+    """Make `load_config` check and resolve section `key` (one of TYPED_SECTIONS) with these."""
+    if key not in TYPED_SECTIONS:
+        raise ValueError(f"register_section_rules: '{key}' is not one of {', '.join(TYPED_SECTIONS)}")
+    _section_rules[key] = SectionRules(check, resolve)
+
+
+def _rules(key: str) -> SectionRules:
+    rules = _section_rules.get(key)
+    if rules is None:
+        raise RuntimeError(f"no rules are registered for the `{key}` section; `import trident` (which "
+                           "imports trident.optim, their owner) before loading a config")
+    return rules
 
 
 def load_config(source: str | os.PathLike | dict | TridentConfig) -> TridentConfig:
@@ -46,12 +83,12 @@ def load_config(source: str | os.PathLike | dict | TridentConfig) -> TridentConf
     else:
         raise TypeError(f"load_config takes a JSON file path, a dict or a TridentConfig, got {type(source).__name__}")
     cfg, issues = validate_section(TridentConfig, data, "")
-    issues += _optim_issues(data)
+    issues += _typed_section_issues(data)
     if cfg is not None and not issues:
         issues += _preset_issues(cfg)
     if issues:
         raise ConfigError(sorted(issues, key=lambda i: i.path))
-    return _resolve_optim(cfg)
+    return _resolve_typed_sections(cfg)
 
 
 def read_json(path: str | os.PathLike) -> dict:
@@ -137,30 +174,20 @@ def _warn_alias(old: str, new: str) -> None:
         warnings.warn(f"config key `{old}` is deprecated; write `{new}` instead", FutureWarning, stacklevel=5)
 
 
-def _optim_issues(data: dict) -> list[ConfigIssue]:
+def _typed_section_issues(data: dict) -> list[ConfigIssue]:
     """Type and params of the optimizer and scheduler sections, if they are well-formed objects."""
-    # Imported here: trident.optim imports trident.config, so a top-level import would be circular.
-    from trident.optim.factory import check_optimizer
-    from trident.optim.schedulers import check_scheduler
-
     issues = []
-    for key, check in (("optimizer", check_optimizer), ("scheduler", check_scheduler)):
+    for key in TYPED_SECTIONS:
         section = data.get(key)
         if isinstance(section, dict) and isinstance(section.get("type"), str) \
                 and isinstance(section.get("params", {}), dict):
-            issues += check(section["type"], section.get("params", {}))
+            issues += _rules(key).check(section["type"], section.get("params", {}))
     return issues
 
 
-def _resolve_optim(cfg: TridentConfig) -> TridentConfig:
-    from trident.optim.factory import resolve_optimizer_config
-    from trident.optim.schedulers import resolve_scheduler_config
-
-    update = {}
-    if cfg.optimizer is not None:
-        update["optimizer"] = resolve_optimizer_config(cfg.optimizer)
-    if cfg.scheduler is not None:
-        update["scheduler"] = resolve_scheduler_config(cfg.scheduler)
+def _resolve_typed_sections(cfg: TridentConfig) -> TridentConfig:
+    update = {key: _rules(key).resolve(section) for key in TYPED_SECTIONS
+              if (section := getattr(cfg, key)) is not None}
     return cfg.model_copy(update=update) if update else cfg
 
 

@@ -332,6 +332,39 @@ class PipelineConfig(Section):
         "Micro-batches per step; null = gradient_accumulation_steps (they are the same thing)."))
 
 
+def _reserved_size(size: int, feature: str) -> int:
+    """The size of a mesh axis whose feature has not landed: only 1 is accepted."""
+    if size > 1:
+        raise rule_error(f"{size} is not supported yet ({feature} is not implemented); set it to 1")
+    return size
+
+
+class ContextParallelConfig(Section):
+    """`context_parallel`: split every sequence over `size` ranks (mesh axis cp, between dp and ep).
+    Reserved: only size 1 is accepted until context parallelism lands."""
+
+    size: int = Field(1, gt=0, description=(
+        "Context-parallel ranks per model replica, each holding a slice of every sequence; 1 = off."))
+
+    @field_validator("size")
+    @classmethod
+    def _not_yet(cls, size: int) -> int:
+        return _reserved_size(size, "context parallelism")
+
+
+class ExpertParallelConfig(Section):
+    """`expert_parallel`: place a mixture-of-experts layer's experts on `size` ranks (mesh axis ep,
+    between cp and tp). Reserved: only size 1 is accepted until expert parallelism lands."""
+
+    size: int = Field(1, gt=0, description=(
+        "Expert-parallel ranks: each holds 1/size of the experts and sees its own data; 1 = off."))
+
+    @field_validator("size")
+    @classmethod
+    def _not_yet(cls, size: int) -> int:
+        return _reserved_size(size, "expert parallelism")
+
+
 class ActivationCheckpointingConfig(Section):
     """Recompute layers in backward instead of keeping their activations (DeepSpeed's section,
     plus `layers` / `every` to choose which modules trident.initialize wraps)."""
@@ -457,6 +490,10 @@ class TridentConfig(Section):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig, description=(
         "Tensor parallelism."))
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Pipeline parallelism.")
+    context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig, description=(
+        "Context (sequence) parallelism; not implemented yet."))
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig, description=(
+        "Expert parallelism; not implemented yet."))
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing (recompute).")
     parameter_server: ParameterServerConfig = Field(default_factory=ParameterServerConfig, description=(

@@ -10,10 +10,11 @@ import torch
 
 from trident.data_parallel.reducer import GradientReducer
 from trident.optim.state import own_state
+from trident.optim.step import LocalStep
 from trident.precision.mixed import MasterWeights
 
 
-class ReplicatedOptimizer:
+class ReplicatedOptimizer(LocalStep):
     """The gradient reducer, the fp32 masters and the optimizer of a stage-0 engine
     (a `trident.engine.strategy.GradientStrategy`)."""
 

@@ -8,14 +8,15 @@
   world size and layout as the others, and that its groups work; a mismatch is one line.
 - `trident.diagnostics.verify`: the engine of `trident verify` (layout versus one process).
 
-Only the recorder is imported by the comm layer; everything else loads on first use.
+The flight recorder itself lives in the comm layer (trident/comm/recorder.py), which records every
+call into it; this package reads it. Everything else here loads on first use.
 """
 
 from __future__ import annotations
 
 from trident.diagnostics.failures import ABORT_EXIT_CODE, OneLineError
 from trident.diagnostics.install import configure, shutdown
-from trident.diagnostics.recorder import FlightRecorder
+from trident.comm.recorder import FlightRecorder
 
 
 def preflight(cfg, mesh=None) -> None:
@@ -28,7 +29,7 @@ def preflight(cfg, mesh=None) -> None:
 
 def active_recorder() -> FlightRecorder | None:
     """This process's flight recorder, or None when the hang detector is off."""
-    from trident.diagnostics import recorder as flight
+    from trident.comm import recorder as flight
 
     return flight.active
 

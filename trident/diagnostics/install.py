@@ -14,7 +14,7 @@ import sys
 
 import torch.distributed as dist
 
-from trident.diagnostics import recorder as flight
+from trident.comm import recorder as flight
 from trident.diagnostics.channel import Channel
 from trident.diagnostics.failures import FailureHook
 from trident.diagnostics.watchdog import Watchdog, poll_interval

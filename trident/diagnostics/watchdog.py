@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from trident.diagnostics import recorder as flight
+from trident.comm import recorder as flight
 from trident.diagnostics.channel import Channel
 from trident.diagnostics.failures import ABORT_EXIT_CODE, flush_and_exit, write_error_file
 from trident.diagnostics.report import divergence_report, failure_line, hang_report

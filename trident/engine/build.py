@@ -84,7 +84,8 @@ def initialize(
     if mesh is None:
         env = init_distributed(timeout_s=cfg.distributed.timeout_s)
         diagnostics.preflight(cfg)  # through the store, before any group: same config, world size, versions
-        mesh = ParallelMesh.build(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size, device_type=env.device.type)
+        mesh = ParallelMesh.build(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size, cp=cfg.context_parallel.size,
+                                  ep=cfg.expert_parallel.size, device_type=env.device.type)
     diagnostics.configure(cfg.distributed, mesh)  # hang detector, before trident's first collective
     diagnostics.preflight(cfg, mesh)  # same layout on every rank; a tiny all-reduce per axis group
     setup_logging(mesh.global_rank)
@@ -146,11 +147,11 @@ def _resume(engine: Engine, loader, path: str) -> None:
 
 
 def _configure_activation_checkpointing(cfg, model, mesh) -> None:
-    """`activation_checkpointing`: settings for every checkpoint() call, and the modules to wrap.
-    Without DeepSpeed's keys in the section, settings the user made with
-    trident.checkpointing.configure stay, and those an earlier initialize made are cleared."""
-    from trident import checkpointing
-    from trident.checkpointing.activation import settings
+    """`activation_checkpointing`: this engine's settings, bound to its model, and the modules to
+    wrap. With DeepSpeed's keys in the section the model owns settings made from it (another
+    engine in the process keeps its own; the process-wide ones are left alone); without them its
+    checkpoint() calls use the process-wide settings of trident.checkpointing.configure."""
+    from trident.checkpointing import activation
     ac = cfg.activation_checkpointing
     partition = ac.partition_activations
     if partition and cfg.tensor_parallel.sequence_parallel:
@@ -158,12 +159,12 @@ def _configure_activation_checkpointing(cfg, model, mesh) -> None:
                        "tensor_parallel.sequence_parallel: layer inputs are already split along the sequence")
         partition = False
     selective = {"layers", "every"}
+    own = None
     if ac.model_dump(exclude=selective) != type(ac)().model_dump(exclude=selective):
-        checkpointing.configure(mesh, deepspeed_config=ac, partition_activations=partition).from_config = True
-    elif settings().from_config:
-        checkpointing.reset()
+        own = activation.make_settings(mesh, deepspeed_config=ac, partition_activations=partition)
+    activation.bind(model, own)
     if ac.layers:
-        checkpointing.apply_activation_checkpointing(model, ac.layers, ac.every)
+        activation.apply_activation_checkpointing(model, ac.layers, ac.every, settings=own)
 
 
 def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_logger, dtype):

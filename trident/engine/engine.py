@@ -10,6 +10,7 @@ overflow steps included, as DeepSpeed counts them).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,12 +19,34 @@ import torch.distributed as dist
 from trident.comm import collectives
 from trident.comm.logger import CommsLogger
 from trident.config.batch import BatchGetters, BatchSizes
-from trident.optim.clipping import clip_coefficient, global_norm
-from trident.engine.strategy import GradientStrategy
+from trident.engine.strategy import GradientStrategy, RemoteStrategy
 from trident.engine.timers import Timers
 from trident.monitor.log import logger
 from trident.parallel.mesh import ParallelMesh
 from trident.precision.mixed import MasterWeights
+
+
+@dataclass(frozen=True)
+class EngineRanks:
+    """This process among the ranks that train the model together, under DeepSpeed's names.
+
+    Collective training takes them from its mesh (`of_mesh`). A parameter-server worker's come
+    from its layout: dp counts the workers only, global rank 0 is a server, and the workers
+    never wait for each other (`group` is None).
+    """
+
+    global_rank: int
+    world_size: int
+    dp_rank: int
+    dp_world_size: int
+    writer: bool
+    """The one rank that writes what a single rank writes (the 16-bit model, the monitors)."""
+    group: dist.ProcessGroup | None
+    """Every rank of the engine, for barriers; None when the ranks do not wait for each other."""
+
+    @classmethod
+    def of_mesh(cls, mesh: ParallelMesh) -> EngineRanks:
+        return cls(mesh.mesh_rank, mesh.world_size, mesh.dp_rank, mesh.dp_size, mesh.mesh_rank == 0, mesh.mesh_group)
 
 
 class Engine(BatchGetters, torch.nn.Module):
@@ -33,16 +56,18 @@ class Engine(BatchGetters, torch.nn.Module):
         self,
         module: torch.nn.Module,
         config,
-        mesh: ParallelMesh,
+        mesh: ParallelMesh | None,
         batch: BatchSizes,
         master: MasterWeights | None,
         strategy: GradientStrategy,
         optimizer: torch.optim.Optimizer,
         lr_scheduler: Any,
         loss_scaler: Any,
-        comms_logger: CommsLogger,
+        comms_logger: CommsLogger | None,
         monitors: Any,
+        ranks: EngineRanks | None = None,
     ) -> None:
+        """`ranks` default to the mesh's; a builder without a mesh of its own passes them."""
         super().__init__()
         self.module = module
         self.config = config
@@ -55,6 +80,7 @@ class Engine(BatchGetters, torch.nn.Module):
         self.loss_scaler = loss_scaler
         self.comms_logger = comms_logger
         self.monitors = monitors
+        self.ranks = ranks if ranks is not None else EngineRanks.of_mesh(mesh)
         self.compute_dtype = next(module.parameters()).dtype
         self.timers = Timers(config.wall_clock_breakdown)
         self.global_steps = 0
@@ -68,25 +94,26 @@ class Engine(BatchGetters, torch.nn.Module):
         self.training_dataloader = None      # set by initialize when it builds the loader
         self.resumed_client_state = None     # client_state of the checkpoint auto_resume loaded
         self._backward_pending = False
+        self._window_open = False
 
     # -- coordinates (DeepSpeed names) -----------------------------------------------------
 
     @property
     def global_rank(self) -> int:
-        """This process's rank among the engine's ranks (its mesh)."""
-        return self.mesh.mesh_rank
+        """This process's rank among the engine's ranks: its mesh's (the job's under a parameter server)."""
+        return self.ranks.global_rank
 
     @property
     def world_size(self) -> int:
-        return self.mesh.world_size
+        return self.ranks.world_size
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh.dp_rank
+        return self.ranks.dp_rank
 
     @property
     def dp_world_size(self) -> int:
-        return self.mesh.dp_size
+        return self.ranks.dp_world_size
 
     @property
     def loss_scale(self) -> float:
@@ -115,6 +142,7 @@ class Engine(BatchGetters, torch.nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the model; floating-point inputs are cast to the model's dtype (bf16/fp16)."""
+        self._start_window()
         with self.timers("forward"):
             inputs, kwargs = _cast_floats((inputs, kwargs), self.compute_dtype)
             return self.module(*inputs, **kwargs)
@@ -136,6 +164,7 @@ class Engine(BatchGetters, torch.nn.Module):
                 "engine.backward() was called twice without engine.step() in between; call "
                 "engine.step() after every engine.backward() (it only updates the weights on "
                 "gradient-accumulation boundaries)")
+        self._start_window()
         self._window_loss = self._window_loss + loss.detach().float()
         scale = self.loss_scale
         if scale_wrt_gas:
@@ -152,8 +181,15 @@ class Engine(BatchGetters, torch.nn.Module):
         if self.is_gradient_accumulation_boundary():
             self._boundary_step(float(self._window_loss) / self.batch.gradient_accumulation_steps)
             self._window_loss = 0.0
+            self._window_open = False
         self.micro_steps += 1
         self._backward_pending = False
+
+    def _start_window(self) -> None:
+        """The first forward or backward of an accumulation window tells the strategy."""
+        if not self._window_open:
+            self.strategy.start_window()
+            self._window_open = True
 
     def _boundary_step(self, window_loss: float) -> None:
         """The optimizer step that ends an accumulation window, and its bookkeeping.
@@ -178,15 +214,12 @@ class Engine(BatchGetters, torch.nn.Module):
                 prune_checkpoints(ckpt.path, ckpt.keep_last)
 
     def _take_model_step(self) -> None:
-        # The strategy (stage 0's reducer and masters, or ZeRO's partitions) says which gradient
-        # tensors this rank holds and over which groups they differ. One pass over them and one
-        # all-reduce per group give the global norm; an inf or NaN anywhere makes it non-finite
-        # on every rank, which is the overflow check too.
-        extra = self._grad_split_groups()
-        parts = [(tensors, tuple(groups) + tuple(extra)) for tensors, groups in self.strategy.grad_parts()]
-        scale = self.loss_scale
-        norm = global_norm(parts) / scale
-        overflow = not math.isfinite(norm)
+        # The strategy clips and applies the update wherever its optimizer runs (this rank's
+        # partitions, or parameter servers) and returns the norm; a non-finite one, the same on
+        # every rank, means nothing was applied: the overflow check.
+        norm = self.strategy.step(self.config.gradient_clipping, self.loss_scale, self._grad_split_groups(),
+                                  self.lr_scheduler)
+        overflow = norm is not None and not math.isfinite(norm)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)
         elif overflow:
@@ -200,9 +233,6 @@ class Engine(BatchGetters, torch.nn.Module):
                                self.global_steps + 1, self.loss_scale)
         else:
             self._global_grad_norm = norm
-            self.strategy.optimizer_step(clip_coefficient(norm, self.config.gradient_clipping) / scale)
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
         self.strategy.zero_grad()
 
     def _nonfinite_gradients(self) -> None:
@@ -228,7 +258,7 @@ class Engine(BatchGetters, torch.nn.Module):
 
     def _report(self) -> None:
         step = self.global_steps
-        if self.monitors is not None and self.global_rank == 0:
+        if self.monitors is not None and self.ranks.writer:
             events = [("Train/Samples/train_loss", self.last_loss, self.global_samples),
                       ("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
             if self.loss_scaler is not None:
@@ -266,11 +296,38 @@ class Engine(BatchGetters, torch.nn.Module):
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def destroy(self) -> None:
-        """Release what outlives a step: offload swap files and I/O threads (DeepSpeed's name;
-        also run at interpreter exit). The engine cannot train afterwards."""
+        """Release what outlives a step: offload swap files and I/O threads, a parameter-server
+        worker's connections (DeepSpeed's name; also run at interpreter exit), the monitors'
+        files. The engine cannot train afterwards."""
         self.strategy.close()
+        if self.monitors is not None:
+            self.monitors.close()
 
     close = destroy
+
+    # -- parameters held elsewhere (a `RemoteStrategy`: parameter-server workers) ----------
+
+    def fetch_parameters(self) -> None:
+        """Bring the newest parameters into the model now (for evaluation, or at the end of an
+        asynchronous run); a no-op where they are this rank's own and always current."""
+        if isinstance(self.strategy, RemoteStrategy):
+            self.strategy.fetch_parameters()
+
+    @property
+    def server_version(self) -> int:
+        """The oldest version among the parameters this rank holds (updates applied to them)."""
+        return self._remote("server_version").server_version
+
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes this rank has sent to and received from the processes holding the parameters."""
+        return self._remote("comm_bytes()").comm_bytes()
+
+    def _remote(self, what: str) -> RemoteStrategy:
+        if not isinstance(self.strategy, RemoteStrategy):
+            raise RuntimeError(f"engine.{what} is for strategies whose parameters live on other processes "
+                               f"(parameter_server.servers > 0); this engine's {type(self.strategy).__name__} "
+                               "holds them on this rank")
+        return self.strategy
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -295,7 +352,7 @@ class Engine(BatchGetters, torch.nn.Module):
                            "`trident checkpoint consolidate`")
             return False
         state = self.consolidated_state_dict()
-        if self.global_rank == 0:
+        if self.ranks.writer:
             path = Path(save_dir) / save_filename
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
@@ -309,12 +366,16 @@ class Engine(BatchGetters, torch.nn.Module):
             else:
                 torch.save(state, tmp)
             os.replace(tmp, path)
-        collectives.barrier(group=self.mesh.mesh_group)
+        if self.ranks.group is not None:
+            collectives.barrier(group=self.ranks.group)
         return True
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> str:
-        """Write model, optimizer, scheduler and RNG state under save_dir/tag, atomically."""
+        """Write model, optimizer, scheduler and RNG state under save_dir/tag, atomically (a
+        `RemoteStrategy` saves where the state is)."""
+        if isinstance(self.strategy, RemoteStrategy):
+            return self.strategy.save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
         from trident.checkpointing.state import save_checkpoint
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
                                save_latest=save_latest)
@@ -322,6 +383,9 @@ class Engine(BatchGetters, torch.nn.Module):
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """Load a checkpoint; returns (path, client_state), or (None, None) if none exists."""
+        if isinstance(self.strategy, RemoteStrategy):
+            return self.strategy.load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                                                 load_lr_scheduler_states, load_module_only)
         from trident.checkpointing.state import load_checkpoint
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,

@@ -31,8 +31,6 @@ overlapped with the last backward.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -47,17 +45,7 @@ from trident.pipeline.instructions import STEP, OptimizerStep, ReduceGrads, Redu
 from trident.pipeline.module import PipelineModule
 from trident.pipeline.schedules import build_all, build_schedule, forward_only
 from trident.pipeline.simulate import simulate
-
-
-@dataclass
-class TiedWeights:
-    """The weights shared under one key on this rank, and the group of the stages holding them."""
-
-    key: str
-    tensors: list[torch.Tensor]  # parameters on the owner, buffer copies elsewhere
-    sums: list[torch.Tensor]  # fp32: a copy's accumulated gradient; on the owner, the copies' total
-    group: dist.ProcessGroup
-    owner: bool
+from trident.pipeline.ties import TiedWeights, tie_weights
 
 
 class PipelineEngine(Engine):
@@ -231,7 +219,7 @@ def build_pipeline_engine(module: PipelineModule, cfg, mesh: ParallelMesh, batch
                           lr_scheduler, loss_scaler, comms_logger, monitors) -> PipelineEngine:
     """The pipeline engine over what `trident.initialize` built for a `PipelineModule`.
 
-    Collective over every rank of the job (it creates process groups, in the same order everywhere).
+    Collective over every rank of the job (the mesh creates process groups, in the same order everywhere).
     """
     micro_batches = _check_layout(module, cfg, mesh, batch)
     grad_group, ties = None, []
@@ -240,8 +228,8 @@ def build_pipeline_engine(module: PipelineModule, cfg, mesh: ParallelMesh, batch
             raise ValueError(f"pipeline parallelism needs a mesh over every rank of the job (this mesh has "
                              f"{mesh.world_size} of {dist.get_world_size()}); build it with ParallelMesh.build()")
         # A second group over each pipeline's ranks: gradients travel FIFO apart from activations.
-        grad_group = _new_groups([[mesh.ranks[r] for r in g] for g in mesh.topology.axis_groups("pp")])
-        ties = _tie_groups(module, mesh)
+        grad_group = mesh.subgroup("pp", range(mesh.pp_size), tag="pp-grads")
+        ties = tie_weights(module, mesh)
     engine = PipelineEngine(module, cfg, mesh, batch, master, strategy, optimizer, lr_scheduler, loss_scaler,
                             comms_logger, monitors, schedule=cfg.pipeline.schedule,
                             micro_batches=micro_batches, grad_group=grad_group, ties=ties)
@@ -282,49 +270,6 @@ def _check_layout(module: PipelineModule, cfg, mesh: ParallelMesh, batch) -> int
         raise ValueError(f"pipeline.micro_batches={pipe.micro_batches} but gradient_accumulation_steps={gas}: "
                          f"micro-batches are the accumulation steps; set one of them, or both equal")
     return gas
-
-
-def _new_groups(rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
-    """Create a group for each list (every rank creates all of them, in order); return this rank's."""
-    mine = None
-    for ranks in rank_lists:
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = group
-    return mine
-
-
-def _tie_groups(module: PipelineModule, mesh: ParallelMesh) -> list[TiedWeights]:
-    """A group per tied key and (dp, tp) coordinate over the stages holding the key.
-
-    The owner's weights are broadcast so every copy starts equal; each copy then requires
-    grad and accumulates its gradient in fp32.
-    """
-    ties, t = [], mesh.topology
-    for key, stages in module.tied_stages.items():
-        if len(stages) < 2:
-            continue
-        group = _new_groups([[mesh.ranks[t.rank_of(pp=s, dp=d, tp=p)] for s in stages]
-                             for d in range(t.dp) for p in range(t.tp)])
-        if mesh.pp_rank not in stages:
-            continue
-        tensors = module.tied_tensors(key)
-        sums = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in tensors]
-        with torch.no_grad():
-            for t in tensors:
-                collectives.broadcast(t.data, src=0, group=group)
-        if not module.owns(key):
-            for t, total in zip(tensors, sums):
-                t.requires_grad_(True)
-                t.register_post_accumulate_grad_hook(functools.partial(_accumulate, total))
-        ties.append(TiedWeights(key, tensors, sums, group, owner=module.owns(key)))
-    return ties
-
-
-def _accumulate(total: torch.Tensor, copy: torch.Tensor) -> None:
-    """Move a tied copy's fresh gradient into its fp32 sum."""
-    total.add_(copy.grad)
-    copy.grad = None
 
 
 def _log_pipeline(engine: PipelineEngine) -> None:

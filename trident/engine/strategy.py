@@ -1,9 +1,12 @@
 """The gradient strategy: what the engine asks of plain data parallelism, ZeRO 1-3 (with
 offload) and parameter-server workers.
 
-The engine composes: it runs forward and backward, computes the global gradient norm from the
-pieces the strategy names, applies loss scaling and clipping, and calls the strategy for
-everything that depends on where gradients, master weights and optimizer states live.
+The engine composes: it runs forward and backward, handles loss scaling's overflows and the
+counters, and calls the strategy for everything that depends on where gradients, master
+weights and optimizer states live, the update included (`step`): strategies whose optimizer
+runs on the rank share one implementation (`trident.optim.step.LocalStep`: the global norm
+from the pieces they name, clipping, the optimizer and schedule step), while a parameter-server
+worker pushes its gradient and the servers clip and step.
 Checkpointing, `trident verify` and the trainer ask the strategy the same way; none of them
 reads a strategy's private fields or branches on a ZeRO stage. A new strategy (1-bit Adam's
 compressed all-reduce, an expert-parallel reducer) implements this protocol and nothing else
@@ -59,7 +62,22 @@ class GradientStrategy(Protocol):
     def zero_grad(self) -> None:
         """Start a new accumulation window."""
 
+    def start_window(self) -> None:
+        """Before the first forward or backward of an accumulation window (a no-op for local
+        strategies; an async parameter-server worker waits here for a pull, but only when the
+        parameters it holds are more than `staleness` steps old)."""
+
     # -- the step --------------------------------------------------------------------------
+
+    def step(self, max_norm: float, loss_scale: float, split_groups: Sequence[dist.ProcessGroup],
+             lr_scheduler: Any) -> float | None:
+        """End the window's update wherever the optimizer runs: clip the gradient to `max_norm`
+        (0: off), apply it, and advance `lr_scheduler` with it (a strategy whose schedule runs
+        elsewhere ignores it). Gradients are `loss_scale` times too large and also differ across
+        `split_groups` (the pipeline stages). Returns the norm before clipping; a non-finite
+        norm means nothing was applied (an fp16 overflow, a NaN); None when this rank does not
+        learn it (a parameter-server worker without clipping). Local strategies build it from
+        `grad_parts` and `optimizer_step` (`trident.optim.step.LocalStep`)."""
 
     def grad_parts(self) -> GradParts:
         """The gradient pieces this rank holds, each with the groups across which ranks hold
@@ -107,3 +125,29 @@ class GradientStrategy(Protocol):
 
     def close(self) -> None:
         """Release what outlives a step (swap files, I/O threads, connections)."""
+
+
+@runtime_checkable
+class RemoteStrategy(Protocol):
+    """What a strategy adds whose parameters and optimizer live on other processes (a
+    parameter-server worker's `PushPullStrategy`). The engine offers these under the same
+    names, and sends its checkpoints here instead of to `trident.checkpointing`: the state to
+    save is on the other processes, and the engine's `global_steps`, `micro_steps` and
+    `global_samples` are saved and restored by the strategy with it."""
+
+    server_version: int
+    """The oldest version among the parameters this rank holds (updates applied to them)."""
+
+    def fetch_parameters(self) -> None:
+        """Bring the newest parameters into the model now (for evaluation, or at the end)."""
+
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes this rank has sent to and received from the other processes: {"sent", "received"}."""
+
+    def save_checkpoint(self, engine: Any, save_dir: str, tag: str | None, client_state: dict,
+                        save_latest: bool) -> str:
+        """`Engine.save_checkpoint`; returns the checkpoint folder."""
+
+    def load_checkpoint(self, engine: Any, load_dir: str, tag: str | None, load_optimizer_states: bool,
+                        load_lr_scheduler_states: bool, load_module_only: bool) -> tuple:
+        """`Engine.load_checkpoint`: (folder, client_state), or (None, None) if none exists."""

@@ -25,7 +25,7 @@ import torch
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from trident.config.errors import ConfigError, ConfigIssue, describe_value, rule_error, unknown_name_message
-from trident.config.loader import validate_section
+from trident.config.loader import register_section_rules, validate_section
 from trident.config.schema import OptimizerConfig, Section
 
 
@@ -185,6 +185,9 @@ def resolve_optimizer_config(cfg: OptimizerConfig) -> OptimizerConfig:
     if isinstance(p, AdamParams):
         params["weight_decay"] = _adam_weight_decay(p, kind.name == "AdamW" or p.adam_w_mode)
     return OptimizerConfig(type=kind.name, params=params)
+
+
+register_section_rules("optimizer", check_optimizer, resolve_optimizer_config)
 
 
 def build_optimizer(cfg: OptimizerConfig | None, params: Iterable, offload: bool = False) -> torch.optim.Optimizer:

@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 
 from trident.config.errors import ConfigError, ConfigIssue, describe_value, unknown_name_message
-from trident.config.loader import validate_section
+from trident.config.loader import register_section_rules, validate_section
 from trident.config.schema import SchedulerConfig, Section
 from trident.monitor.log import logger
 
@@ -373,6 +373,9 @@ def resolve_scheduler_config(cfg: SchedulerConfig) -> SchedulerConfig:
     if issues:
         raise ConfigError(issues)
     return SchedulerConfig(type=cls.__name__, params=p.model_dump(mode="json"))
+
+
+register_section_rules("scheduler", check_scheduler, resolve_scheduler_config)
 
 
 def build_scheduler(cfg: SchedulerConfig | None, optimizer: torch.optim.Optimizer) -> LRSchedule | None:

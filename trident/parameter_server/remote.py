@@ -8,10 +8,11 @@ and say where to go instead for everything that would change them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from trident.parameter_server.worker import WorkerEngine
+
+class _LearningRates(Protocol):
+    def get_lr(self) -> list[float]: ...
 
 _WHERE = ("runs on the parameter servers (parameter_server.servers > 0); engine.step() drives it and "
           "engine.save_checkpoint / load_checkpoint save and restore its state")
@@ -20,12 +21,12 @@ _WHERE = ("runs on the parameter servers (parameter_server.servers > 0); engine.
 class RemoteOptimizer:
     """`param_groups` with the servers' learning rates; stepping or saving it here is an error."""
 
-    def __init__(self, engine: WorkerEngine) -> None:
-        self._engine = engine
+    def __init__(self, source: _LearningRates) -> None:
+        self._source = source  # the worker's PushPullStrategy: the learning rates of its last pull
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return [{"lr": lr} for lr in self._engine.get_lr()]
+        return [{"lr": lr} for lr in self._source.get_lr()]
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(f"optimizer.step() on a worker: the optimizer {_WHERE}")
@@ -41,14 +42,14 @@ class RemoteOptimizer:
 class RemoteSchedule:
     """`get_last_lr()` / `get_lr()` from the servers; stepping it here is an error."""
 
-    def __init__(self, engine: WorkerEngine) -> None:
-        self._engine = engine
+    def __init__(self, source: _LearningRates) -> None:
+        self._source = source  # the worker's PushPullStrategy: the learning rates of its last pull
 
     def get_last_lr(self) -> list[float]:
-        return self._engine.get_lr()
+        return self._source.get_lr()
 
     def get_lr(self) -> list[float]:
-        return self._engine.get_lr()
+        return self._source.get_lr()
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(f"lr_scheduler.step() on a worker: the schedule {_WHERE}")

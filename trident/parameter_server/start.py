@@ -4,13 +4,15 @@ when `parameter_server.servers` > 0) and `serve` (the server loop as a function 
 The order: parse the config; start torch.distributed and agree the roles, placement and session
 (`layout`); then a server builds its shard (fp32 copies of its parameters, the configured
 optimizer and lr schedule over them) and serves, while a worker resolves the batch triangle
-over the workers, casts the model to the compute dtype, builds its buffers, pulls the servers'
-parameters and builds the data loader sharded over the workers.
+over the workers, casts the model to the compute dtype, builds its buffers and pulls the servers'
+parameters (`PushPullStrategy`), and gets the one `Engine` over that strategy, with read-only
+views of the servers' optimizer and schedule, and a data loader sharded over the workers.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import sys
 from typing import Any, Callable, Iterable
 
@@ -18,21 +20,24 @@ import torch
 
 from trident.config import TridentConfig, load_config, resolve_batch
 from trident.data.sampler import DistributedSampler
+from trident.engine.engine import Engine, EngineRanks
 from trident.monitor.log import logger, setup_logging
+from trident.monitor.writers import Monitors
 from trident.optim.factory import build_optimizer
 from trident.optim.schedulers import build_scheduler
 from trident.parameter_server.layout import ParamGroups, PSLayout, build_layout
 from trident.parameter_server.protocol import format_updates
+from trident.parameter_server.remote import RemoteOptimizer, RemoteSchedule
 from trident.parameter_server.server import ParameterServer, ServeResult
 from trident.parameter_server.shard import ShardState
-from trident.parameter_server.worker import WorkerEngine, make_worker_logging
+from trident.parameter_server.strategy import PushPullStrategy
 from trident.precision.mixed import compute_dtype
 
 
 def initialize_parameter_server(cfg: TridentConfig, model: torch.nn.Module, optimizer: Any = None,
                                 model_parameters: Iterable | None = None, training_data: Any = None,
                                 lr_scheduler: Any = None, collate_fn: Callable | None = None, mesh: Any = None):
-    """Workers: (engine, optimizer view, data loader, lr schedule view). Servers serve until every
+    """Workers: (Engine, optimizer view, data loader, lr schedule view). Servers serve until every
     worker has finished, then the process exits 0 (on failure the error propagates: exit 1)."""
     layout = build_layout(cfg, model, optimizer, model_parameters, mesh)
     setup_logging(layout.rank)
@@ -106,11 +111,21 @@ def shard_schedule(cfg: TridentConfig, lr_scheduler: Any, optimizer: torch.optim
 
 def _start_worker(cfg: TridentConfig, layout: PSLayout, model: torch.nn.Module, training_data: Any,
                   collate_fn: Callable | None):
-    make_worker_logging(layout.worker_index)
+    first = layout.worker_index == 0
+    if first:  # worker 0 logs the step lines (global rank 0 is a server)
+        logger.setLevel(logging.INFO)
     batch = resolve_batch(cfg, layout.workers)
     dtype = compute_dtype(cfg)
     model.to(dtype)
-    engine = WorkerEngine(model, cfg, layout, batch, dtype)
+    strategy = PushPullStrategy(model, cfg, layout, dtype)
+    # No mesh: dp counts the workers, which never wait for each other; no masters, loss scaler
+    # or comms logger (the traffic is counted by comm_bytes()).
+    ranks = EngineRanks(global_rank=layout.rank, world_size=len(layout.ranks), dp_rank=layout.worker_index,
+                        dp_world_size=layout.workers, writer=first, group=None)
+    engine = Engine(model, cfg, mesh=None, batch=batch, master=None, strategy=strategy,
+                    optimizer=RemoteOptimizer(strategy), lr_scheduler=RemoteSchedule(strategy), loss_scaler=None,
+                    comms_logger=None, monitors=Monitors(cfg.tensorboard, cfg.csv_monitor, enabled=first),
+                    ranks=ranks)
     loader = None
     if training_data is not None:
         sampler = DistributedSampler(training_data, num_replicas=layout.workers, rank=layout.worker_index,
@@ -118,7 +133,7 @@ def _start_worker(cfg: TridentConfig, layout: PSLayout, model: torch.nn.Module, 
         loader = torch.utils.data.DataLoader(training_data, batch_size=batch.micro_batch_size, sampler=sampler,
                                              collate_fn=collate_fn, drop_last=False)
     engine.training_dataloader = loader
-    if layout.worker_index == 0:
+    if first:
         logger.info("worker 0 of %d: %s", layout.workers, batch.describe(layout.workers))
     if cfg.checkpoint.auto_resume and cfg.checkpoint.path:
         _, client_state = engine.load_checkpoint(cfg.checkpoint.path)

@@ -139,6 +139,17 @@ class PipelineModule(nn.Module):
             return list(module.parameters())
         return [module.get_buffer(name) for name in self._copies[key]]
 
+    def _apply(self, fn: Callable, *args: Any, **kwargs: Any) -> "PipelineModule":
+        """nn.Module._apply (under .to(), .half(), .cuda()) keeps parameter objects but replaces
+        buffers by new tensors; give the tied copies' new tensors their tensor-parallel
+        attributes back (trident.initialize casts the model to bf16/fp16 this way)."""
+        marks = {name: {a: getattr(t, a) for a in _TP_ATTRS if hasattr(t, a)} for name, t in self.named_buffers()}
+        out = super()._apply(fn, *args, **kwargs)
+        for name, t in self.named_buffers():
+            for attr, value in marks.get(name, {}).items():
+                setattr(t, attr, value)
+        return out
+
     def describe_partition(self) -> str:
         """One line per (virtual) stage: its layers, their classes and parameter count."""
         lines = [f"pipeline partition ({self.partition_method}) of {self.num_layers} layers over "
@@ -158,7 +169,12 @@ class PipelineModule(nn.Module):
     # -- running ---------------------------------------------------------------------------
 
     def run_chunk(self, chunk: int, x: Any) -> Any:
-        """Run chunk `chunk`'s layers on `x` (recomputing runs of them in backward if asked)."""
+        """Run chunk `chunk`'s layers on `x` (recomputing runs of them in backward if asked).
+        Checkpointing uses this module's own settings (its engine's), if it has any."""
+        with activation.running(self):
+            return self._run_chunk(chunk, x)
+
+    def _run_chunk(self, chunk: int, x: Any) -> Any:
         funcs = [self._funcs[i] for i in self.chunk_layers(chunk)]
         k = self.activation_checkpoint_interval
         if k <= 0 or not torch.is_grad_enabled():

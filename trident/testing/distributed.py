@@ -245,16 +245,16 @@ atexit.register(shutdown_pool)
 _MESHES: dict[object, ParallelMesh] = {}
 
 
-def cached_mesh(pp: int = 1, tp: int = 1, dp: int | None = None) -> ParallelMesh:
+def cached_mesh(pp: int = 1, tp: int = 1, dp: int | None = None, *, cp: int = 1, ep: int = 1) -> ParallelMesh:
     """This process's ParallelMesh for the layout, built on first use and then reused.
 
     Collective on first use of a layout: call it on every rank in the same order.
     """
     if dp is None:
-        dp = Topology.for_world(dist.get_world_size(), pp=pp, tp=tp).dp
-    key = (pp, dp, tp)
+        dp = Topology.for_world(dist.get_world_size(), pp=pp, tp=tp, cp=cp, ep=ep).dp
+    key = (pp, dp, cp, ep, tp)
     if key not in _MESHES:
-        _MESHES[key] = ParallelMesh.build(pp=pp, tp=tp, dp=dp)
+        _MESHES[key] = ParallelMesh.build(pp=pp, tp=tp, dp=dp, cp=cp, ep=ep)
     return _MESHES[key]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Container, Iterable, Mapping, Sequence
 
 import torch
 
@@ -76,6 +76,23 @@ def optimizer_section(kind: str, lr: float) -> dict:
     raise ValueError(f"parity optimizer {kind!r}: expected one of {PARITY_OPTIMIZERS}")
 
 
+PARITY_PRECISIONS = ("fp32", "bf16", "fp16")
+FP16_INITIAL_SCALE_POWER = 21
+"""fp16 parity runs start the dynamic loss scale at 2**21, above what the tiny parity GPTs'
+gradients fit in fp16 (they fit at 2**18 to 2**20), so the first steps overflow and are skipped;
+hysteresis 1 halves the scale on every overflow. (DeepSpeed's default 2**16 never overflows on
+these models, so it would not exercise the skipping.)"""
+
+
+def precision_sections(precision: str) -> dict:
+    """The `bf16` and `fp16` config sections of a parity run in `precision` (fp32, bf16 or fp16)."""
+    if precision not in PARITY_PRECISIONS:
+        raise ValueError(f"parity precision {precision!r}: expected one of {PARITY_PRECISIONS}")
+    return {"bf16": {"enabled": precision == "bf16"},
+            "fp16": {"enabled": precision == "fp16", "initial_scale_power": FP16_INITIAL_SCALE_POWER,
+                     "hysteresis": 1}}
+
+
 def torch_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
     """The plain-PyTorch optimizer that `optimizer_section(kind, lr)` describes."""
     if kind == "adamw":
@@ -97,13 +114,23 @@ class SerialRun:
 
 
 def train_serial(model: torch.nn.Module, batches: Iterable[tuple], optimizer: str, lr: float, clip: float,
-                 schedule: Callable[[torch.optim.Optimizer], Any] | None = None) -> SerialRun:
+                 schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
+                 skip: Container[int] = ()) -> SerialRun:
     """Plain PyTorch: one `model(*batch)` loss per step over the whole global batch, the exact norm
-    of all (unique) parameters' gradients, torch's clip rule (max / (norm + 1e-6) when < 1)."""
+    of all (unique) parameters' gradients, torch's clip rule (max / (norm + 1e-6) when < 1).
+
+    The steps (0-based) in `skip` only record their loss, as an fp16 run skips a step whose
+    gradient overflowed: no update, no schedule step; their norm is NaN."""
     opt = torch_optimizer(optimizer, model.parameters(), lr)
     sched = schedule(opt) if schedule is not None else None
     run = SerialRun()
-    for batch in batches:
+    for step, batch in enumerate(batches):
+        if step in skip:
+            with torch.no_grad():
+                run.losses.append(model(*batch).item())
+            run.norms.append(math.nan)
+            run.clip_coefs.append(1.0)
+            continue
         loss = model(*batch)
         loss.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from trident.comm import collectives
 from trident.comm.logger import CommsLogger
+from trident.optim.step import LocalStep
 from trident.zero.partition import ShardedLayout, bucketed_groups, layout_from_groups, round_robin_order
 from trident.comm.buckets import GradScaling
 from trident.zero.stage1 import FullGradients
@@ -65,7 +66,7 @@ class PartitionGroup:
     chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (unit, start, end) in the shard
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(LocalStep):
     """ZeRO stages 1-3 for one engine: the engine-facing side of the gradient and step path
     (a `trident.engine.strategy.GradientStrategy`)."""
 
