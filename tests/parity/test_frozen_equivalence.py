@@ -170,3 +170,52 @@ def test_frozen_layers_under_pipeline_and_3d_train_like_one_process(pp_size, tp,
         ranks.sort(key=lambda r: r[0])
         weights = merge_state_dicts([w for _, w, _ in ranks], ranks[0][2]) if len(ranks) > 1 else ranks[0][1]
         assert_state_close(weights, {k: ref.weights[k] for k in weights}, rtol=1e-5)
+
+
+def train_ps():
+    """Ranks 0: a server; 1, 2: sync workers with block 0 frozen (micro 4 each)."""
+    import torch.distributed as dist
+    from trident.parameter_server import serve
+
+    mesh = cached_mesh()
+    model = dp.make_model()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    names = frozen_names(model, (0,))
+    freeze(model, names)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 0, "gradient_clipping": CLIP,
+           "optimizer": optimizer_section("sgd", LR), "zero_optimization": {"stage": 0, "reduce_bucket_size": 3000},
+           "parameter_server": {"servers": 1, "mode": "sync"}}
+    if dist.get_rank() == 0:
+        result = serve(cfg, model, mesh=mesh)
+        return {"role": "server", "names": sorted(result.parameters)}
+    engine, *_ = trident.initialize(model=model, config=cfg, mesh=mesh)
+    losses, norms = [], []
+    data = dp.make_tokens(8)
+    for step in range(dp.STEPS):
+        batch = data[step * 8 + engine.dp_rank * 4:step * 8 + engine.dp_rank * 4 + 4]
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+        engine.step()
+        losses.append(engine.last_loss)
+        norms.append(engine.get_global_grad_norm())
+    weights = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    untouched = all(torch.equal(p.detach(), initial[n]) for n, p in engine.module.named_parameters() if n in names)
+    pushed = engine.comm_bytes()["sent"]
+    engine.close()
+    return {"role": "worker", "losses": losses, "norms": norms, "weights": weights, "untouched": untouched,
+            "memory": engine.memory_breakdown(), "sent": pushed}
+
+
+def test_frozen_layers_under_the_parameter_server_are_neither_pushed_nor_served():
+    ref = serial(dp.make_model, dp.make_tokens(8), 8, (0,))
+    results = run_on_ranks(3, train_ps)
+    server = next(r for r in results if r["role"] == "server")
+    workers = [r for r in results if r["role"] == "worker"]
+    assert not any(n.startswith("blocks.0.") for n in server["names"])  # the servers hold no frozen weight
+    assert_losses_close(dp.mean_losses([(r["losses"],) for r in workers]), ref.losses, rtol=1e-5)
+    trainable, _ = counts(dp.make_model, (0,))
+    for r in workers:
+        assert r["untouched"]
+        assert_norms_close(r["norms"], ref.norms, rtol=1e-6)
+        assert_state_close(r["weights"], ref.weights, rtol=1e-5)
+        assert r["memory"]["gradients"] == 4 * trainable
+        assert r["sent"] < 4 * trainable * (dp.STEPS + 1) + 64 * 1024  # fp32 gradients of trainable ones only

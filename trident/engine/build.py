@@ -36,7 +36,7 @@ from trident.monitor.log import format_bytes, logger, setup_logging
 from trident.monitor.writers import Monitors
 from trident.optim.factory import build_optimizer
 from trident.optim.schedulers import build_scheduler
-from trident.parallel.mesh import ParallelMesh
+from trident.parallel.mesh import ParallelMesh, gradient_group
 from trident.pipeline.module import PipelineModule
 from trident.precision.loss_scaler import make_loss_scaler
 from trident.precision.mixed import MasterWeights, compute_dtype, retarget_optimizer
@@ -175,7 +175,7 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
     if zero.stage == 0:
         master = MasterWeights(params)
         reducer = GradientReducer(
-            params, mesh.dp_group, bucket_size=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
+            params, gradient_group(mesh, params), bucket_size=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
             predivide_factor=cfg.gradient_predivide_factor, prescale_gradients=cfg.prescale_gradients,
             logger=comms_logger)
         optimizer = _make_optimizer(optimizer, model_parameters, params, master, cfg)

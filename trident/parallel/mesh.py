@@ -299,3 +299,15 @@ class ParallelMesh:
 def _shown_axes(topology: Topology) -> list[str]:
     """pp, dp and tp always (the classic table), cp and ep when they are above 1."""
     return [a for a in AXIS_ORDER if a in AXES or topology.size(a) > 1]
+
+
+def gradient_group(mesh: ParallelMesh, params) -> dist.ProcessGroup:
+    """The one group a strategy reduces (or partitions) `params` over: `mesh.gradient_group` of
+    each, which must agree. Expert weights replicate over fewer axes than dense ones and need a
+    strategy that reduces them separately; none exists until expert parallelism lands."""
+    axes = {mesh.gradient_axes(p) for p in params}
+    if len(axes) > 1:
+        raise ValueError(f"parameters replicated over different mesh axes {sorted(axes)} (expert weights, marked "
+                         "expert_parallel=True, beside dense ones) need expert parallelism, which is not "
+                         "implemented yet; remove the expert_parallel marks")
+    return mesh.group(*axes.pop()) if axes else mesh.dp_group

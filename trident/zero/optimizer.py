@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from trident.comm import collectives
 from trident.comm.logger import CommsLogger
+from trident.parallel.mesh import gradient_group
 from trident.optim.step import LocalStep
 from trident.zero.partition import ShardedLayout, bucketed_groups, layout_from_groups, round_robin_order
 from trident.comm.buckets import GradScaling
@@ -86,8 +87,10 @@ class ZeroOptimizer(LocalStep):
         # requires_grad=False: no gradient, no optimizer state, no traffic. They stay whole on every
         # rank (also under stage 3), so they count in full as parameters.
         self.frozen = list(frozen)
-        self.group = mesh.dp_group
-        self.world, self.rank = mesh.dp_size, mesh.dp_rank
+        # ZeRO partitions over the ranks that replicate the parameters (dp, and cp / ep once they
+        # exist): the mesh's gradient group, which is the dp group itself while cp = ep = 1.
+        self.group = gradient_group(mesh, [p for g in optimizer.param_groups for p in g["params"]])
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.scaling = GradScaling(self.world, predivide_factor, prescale)
         self.groups: list[PartitionGroup] = []
         self.sub_groups: list[tuple[PartitionGroup, int, int]] = []  # (group, first chunk, end chunk)
