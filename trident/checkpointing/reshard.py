@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 from trident.checkpointing.state import (CLIENT_FILE, FORMAT_VERSION, MANIFEST, STATE_FILE, CheckpointError,
-                                        load_pickle, load_tensors, read_manifest, sha256_of,
+                                        is_partitioned, load_pickle, load_tensors, read_manifest, sha256_of,
                                         write_hashed)
 from trident.tensor_parallel.split import ShardSpec
 from trident.zero.partition import ShardedLayout
@@ -266,7 +266,7 @@ def prepare_resharded(engine, reader: CheckpointReader, load_optimizer_states: b
     them in place; reading uses no collective, so a bad file fails before any rank commits."""
     mesh, strategy, folder = engine.mesh, engine.strategy, reader.folder
     params = dict(engine.module.named_parameters())
-    partitioned = {id(p) for p in params.values()} if strategy.partitions_parameters else set()
+    partitioned = {id(p) for p in params.values() if is_partitioned(p)}
     entries = {}
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) in partitioned:

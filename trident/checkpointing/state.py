@@ -164,14 +164,19 @@ def _model_tensors(engine) -> dict[str, torch.Tensor]:
     """What model.safetensors holds: the whole state dict, or under stage 3 only what is not a
     partitioned parameter. Tied entries are written once (safetensors refuses shared storage)."""
     out, seen = {}, set()
-    partitioned = engine.strategy.partitions_parameters
-    params = {id(p) for p in engine.module.parameters()}
     for name, t in engine.module.state_dict(keep_vars=True).items():
-        if id(t) in seen or (partitioned and id(t) in params):
+        if id(t) in seen or is_partitioned(t):
             continue
         seen.add(id(t))
         out[name] = t.detach().contiguous().clone()
     return out
+
+
+def is_partitioned(t: torch.Tensor) -> bool:
+    """Whether a strategy holds `t` only as shards (ZeRO-3's trainable parameters; frozen ones
+    stay whole and are saved with the model)."""
+    owner = getattr(t, "_trident_zero", None)
+    return owner is not None and owner.partitions_parameters
 
 
 def tied_names(module: torch.nn.Module) -> dict[str, str]:
