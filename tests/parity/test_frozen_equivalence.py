@@ -117,8 +117,8 @@ def test_frozen_layers_train_like_one_process_and_cost_no_gradient_state_or_traf
         if "offload_optimizer" in zero:
             continue  # states and parameter shards are in host memory (test_offload checks placement)
         assert mem["optimizer_states"] == pytest.approx(4 * local / shard, rel=0.05)
-        if tp == 1:  # frozen parameters count in full as parameters
-            expected = 4 * (frozen + trainable / (n_dp if stage == 3 else 1))
+        if tp == 1:  # frozen parameters count as parameters (ZeRO-3 partitions them too)
+            expected = 4 * (frozen + trainable) / (n_dp if stage == 3 else 1)
             assert mem["parameters"] == pytest.approx(expected, rel=0.05)
             gradient_bytes = r["traffic"].get("all_reduce", 0) + r["traffic"].get("reduce_scatter", 0)
             assert gradient_bytes == pytest.approx(4 * trainable, rel=0.05)  # nothing of the frozen block
@@ -221,9 +221,10 @@ def test_frozen_layers_under_the_parameter_server_are_neither_pushed_nor_served(
         assert r["sent"] < 4 * trainable * (dp.STEPS + 1) + 64 * 1024  # fp32 gradients of trainable ones only
 
 
-def save_and_reload(root: str, stage_after: int):
-    """Every rank: ZeRO-3 with block 0 frozen trains 3 steps and saves; a fresh engine at
-    `stage_after` loads it (the same layout, or resharded). Returns both consolidated states."""
+def save_and_reload(root: str, stage_before: int, stage_after: int):
+    """Every rank: ZeRO `stage_before` with block 0 frozen trains 3 steps and saves; a fresh
+    engine at `stage_after` loads it (the same layout, or resharded). Returns both consolidated
+    states and whether the fresh engine partitions a frozen weight."""
     mesh = cached_mesh()
 
     def build(stage: int):
@@ -233,7 +234,7 @@ def save_and_reload(root: str, stage_after: int):
                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
         return trident.initialize(model=model, config=cfg, mesh=mesh)[0]
 
-    engine = build(3)
+    engine = build(stage_before)
     data = dp.make_tokens(8)
     for step in range(3):
         batch = data[step * 8 + mesh.dp_rank * 4:step * 8 + mesh.dp_rank * 4 + 4]
@@ -247,11 +248,14 @@ def save_and_reload(root: str, stage_after: int):
             if not p.requires_grad:
                 p.zero_()
     fresh.load_checkpoint(root)
-    return saved, {k: v.float() for k, v in fresh.consolidated_state_dict().items()}
+    frozen_sharded = fresh.module.blocks[0].mlp.fc.weight.numel() == 0  # a placeholder: its data is in shards
+    return saved, {k: v.float() for k, v in fresh.consolidated_state_dict().items()}, frozen_sharded
 
 
-@pytest.mark.parametrize("stage_after", [3, 0], ids=["same-layout", "resharded-to-stage-0"])
-def test_zero3_checkpoint_keeps_frozen_parameters(stage_after, tmp_path):
-    for saved, loaded in run_on_ranks(2, save_and_reload, str(tmp_path), stage_after):
+@pytest.mark.parametrize("stage_before,stage_after", [(3, 3), (3, 0), (0, 3)],
+                         ids=["zero3-same-layout", "zero3-to-stage0", "stage0-to-zero3"])
+def test_checkpoints_keep_frozen_parameters_partitioned_or_not(stage_before, stage_after, tmp_path):
+    for saved, loaded, frozen_sharded in run_on_ranks(2, save_and_reload, str(tmp_path), stage_before, stage_after):
+        assert frozen_sharded == (stage_after == 3)  # ZeRO-3 partitions frozen weights too
         assert_state_close(loaded, saved, rtol=0)
         assert not torch.equal(saved["blocks.1.mlp.fc.weight"], dp.make_model().state_dict()["blocks.1.mlp.fc.weight"])

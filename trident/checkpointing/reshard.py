@@ -275,9 +275,11 @@ def prepare_resharded(engine, reader: CheckpointReader, load_optimizer_states: b
 
     def local_state(name: str) -> ParamState:
         state = reader.param_state(name)
-        if state is None:
-            raise _missing(folder, name)
         target = params[name]
+        if state is None:
+            if target.requires_grad:
+                raise _missing(folder, name)
+            state = ParamState(reader.value(name).float(), -1, {})  # frozen: its value, no state
         cut = ParamState(local_value(state.master, target, mesh.tp_rank, name, folder), state.group, dict(state.state))
         for key, v in state.per_element().items():
             cut.state[key] = local_value(v, target, mesh.tp_rank, name, folder)
@@ -349,7 +351,7 @@ def reshard(src: str | Path, out: str | Path, pp: int, tp: int, dp: int) -> Path
 
                 state = reader.param_state(name)
                 model[name] = cut(reader.value(name)).to(dtype)
-                if state is not None and (p == min(stages[name])):
+                if state is not None and state.group >= 0 and (p == min(stages[name])):  # -1: frozen
                     params[name] = {"group": state.group, "master": cut(state.master),
                                     "state": {k: cut(v) if k in state.per_element() else v
                                               for k, v in state.state.items()}}

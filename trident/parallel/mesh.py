@@ -257,6 +257,17 @@ class ParallelMesh:
             self._subgroups[key] = mine
         return self._subgroups[key]
 
+    def host_group(self) -> dist.ProcessGroup:
+        """A gloo group over every rank of the mesh, for traffic between tensors in host memory
+        (parameter-server shards) when the mesh's own groups are NCCL; the mesh group itself when
+        it already is gloo. Collective on first use (every rank of the job calls it)."""
+        if "host" not in self._subgroups:
+            group = self.mesh_group
+            if dist.get_backend(group) != "gloo":
+                group = dist.new_group(self.ranks, backend="gloo", group_desc="trident_host")
+            self._subgroups["host"] = group
+        return self._subgroups["host"]
+
     # -- printing --------------------------------------------------------------------------
 
     def describe(self) -> str:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from trident.comm import collectives
 from trident.comm.backend import init_distributed
 from trident.config import TridentConfig
+from trident.parallel.mesh import ParallelMesh
 from trident.parameter_server.protocol import Tags
 from trident.parameter_server.sharding import (ShardLayout, assign_servers, describe_placement, fingerprint,
                                                shard_layouts)
@@ -127,14 +128,11 @@ def build_layout(cfg: TridentConfig, model: torch.nn.Module, optimizer: Any, mod
     """Roles, placement and session for this run. Collective over the group (one broadcast)."""
     check_supported(cfg)
     if mesh is None:
-        init_distributed(timeout_s=cfg.distributed.timeout_s)
-        group, ranks = dist.group.WORLD, list(range(dist.get_world_size()))
-    else:
-        group, ranks = mesh.mesh_group, list(mesh.ranks)
-    if dist.get_backend(group) != "gloo":
-        # the shards live in host memory: their traffic goes over gloo even when the job's
-        # default backend is NCCL (collective over the world, like every new_group)
-        group = dist.new_group(ranks, backend="gloo")
+        env = init_distributed(timeout_s=cfg.distributed.timeout_s)
+        mesh = ParallelMesh.build(device_type=env.device.type)  # every rank on dp: roles come below
+    # the shards live in host memory: their traffic goes over gloo even when the job's default
+    # backend is NCCL
+    group, ranks = mesh.host_group(), list(mesh.ranks)
     servers = cfg.parameter_server.servers
     if len(ranks) <= servers:
         raise ValueError(f"parameter_server.servers = {servers} needs at least {servers + 1} processes (servers "

@@ -51,7 +51,10 @@ from trident.zero.state import fill_partition_state, same_partitioning
 
 @dataclass
 class PartitionGroup:
-    """Parameters of one optimizer param group and one kind (tp-sharded or not)."""
+    """Parameters of one optimizer param group and one kind (tp-sharded or not). Under stage 3
+    frozen parameters form groups of their own (opt_group -1): partitioned and gathered like the
+    others, with no gradients and no masters; their chunks cover whole unit shards so that
+    checkpoints carry their values."""
 
     opt_group: int
     tp_sharded: bool
@@ -84,9 +87,9 @@ class ZeroOptimizer(LocalStep):
         self.stage, self.optimizer, self.mesh, self.cfg = stage, optimizer, mesh, zero_cfg
         self.zero_stage, self.partitions_parameters = stage, stage == 3
         self.dtype, self.logger = dtype, logger
-        # requires_grad=False: no gradient, no optimizer state, no traffic. They stay whole on every
-        # rank (also under stage 3), so they count in full as parameters.
-        self.frozen = list(frozen)
+        # requires_grad=False: no gradient, no optimizer state, no traffic. Stages 1-2 keep them whole
+        # on every rank (counted in full as parameters); stage 3 partitions them like the others.
+        self.frozen = list(frozen) if stage < 3 else []
         # ZeRO partitions over the ranks that replicate the parameters (dp, and cp / ep once they
         # exist): the mesh's gradient group, which is the dp group itself while cp = ep = 1.
         self.group = gradient_group(mesh, [p for g in optimizer.param_groups for p in g["params"]])
@@ -109,10 +112,16 @@ class ZeroOptimizer(LocalStep):
                 mine = [p for p in params if bool(getattr(p, "tensor_model_parallel", False)) == sharded]
                 if mine:
                     self.groups.append(self._make_group(g, sharded, mine, named_params, stage3_units))
+        self.trained = list(self.groups)  # the groups with gradients and masters
+        frozen = list({id(p): p for p in frozen}.values())
+        for sharded in (False, True) if stage == 3 else ():
+            mine = [p for p in frozen if bool(getattr(p, "tensor_model_parallel", False)) == sharded]
+            if mine:
+                self.groups.append(self._make_group(-1, sharded, mine, named_params, stage3_units))
         for g, param_group in enumerate(optimizer.param_groups):
             param_group["params"] = [m for pg in self.groups if pg.opt_group == g for m in pg.masters]
         self.param_to_group = {id(p): pg for pg in self.groups for p in pg.params}
-        self.numel = sum(pg.layout.numel for pg in self.groups)
+        self.numel = sum(pg.layout.numel for pg in self.trained)
         for pg in self.groups:
             for p in pg.params:
                 p._trident_zero = self  # lets zero.GatheredParameters find the partition
@@ -139,8 +148,12 @@ class ZeroOptimizer(LocalStep):
         if self.stage < 3:
             self._flatten_params(pg)
         else:
-            self._make_masters(pg, build_partition(pg, self.rank, self.world, self.dtype, len(self.groups),
-                                                   self.cfg, self.param_store))
+            shards = build_partition(pg, self.rank, self.world, self.dtype, len(self.groups), self.cfg,
+                                     self.param_store)
+            if g < 0:  # frozen: shards only
+                pg.chunks = [(u.index, 0, shard.numel()) for u, shard in zip(pg.layout.units, shards)]
+                return pg
+            self._make_masters(pg, shards)
         self._make_grads(pg)
         return pg
 
@@ -213,17 +226,17 @@ class ZeroOptimizer(LocalStep):
     # -- the engine-facing gradient path ----------------------------------------------------
 
     def start_backward(self, boundary: bool) -> None:
-        for pg in self.groups:
+        for pg in self.trained:
             pg.grads.start_backward(boundary)
 
     def finish_backward(self) -> None:
-        for pg in self.groups:
+        for pg in self.trained:
             pg.grads.finish_backward()
         if self.coordinator is not None:
             self.coordinator.end_backward()
 
     def zero_grad(self) -> None:
-        for pg in self.groups:
+        for pg in self.trained:
             pg.grads.zero_grad()
 
     def _grad_of_chunk(self, pg: PartitionGroup, k: int, flat: torch.Tensor | None) -> torch.Tensor:
@@ -236,7 +249,7 @@ class ZeroOptimizer(LocalStep):
     def grad_parts(self) -> list[tuple[list[torch.Tensor], tuple]]:
         """(this rank's gradient shards, groups their norm is summed over), per partition group."""
         parts = []
-        for pg in self.groups:
+        for pg in self.trained:
             if self.stage == 1:
                 tensors = [pg.grads.shard(u.index) for u in pg.layout.units]
             else:
@@ -247,7 +260,7 @@ class ZeroOptimizer(LocalStep):
     def nonfinite_names(self) -> list[str]:
         """Parameters with a NaN or inf in the part of their gradient this rank holds."""
         bad = []
-        for pg in self.groups:
+        for pg in self.trained:
             flat = pg.grads.flat() if self.stage > 1 else None
             for unit in pg.layout.units:
                 lo, _ = unit.shard_range(self.rank)
@@ -263,7 +276,7 @@ class ZeroOptimizer(LocalStep):
     def optimizer_step(self, grad_coef: float) -> None:
         """Step the partitions sub-group by sub-group, with gradients multiplied by `grad_coef`
         (1 / loss scale, times the clipping factor), then bring the parameters up to date."""
-        flats = {id(pg): pg.grads.flat() for pg in self.groups} if self.stage > 1 else {}
+        flats = {id(pg): pg.grads.flat() for pg in self.trained} if self.stage > 1 else {}
         for s, (pg, k, j) in enumerate(self.sub_groups):
             self.placement.fetch(s)
             self.placement.prefetch(s + 1)
@@ -362,6 +375,8 @@ class ZeroOptimizer(LocalStep):
                 if pg.partition is not None and self.cfg.offload_param.device == "none":
                     params += pg.partition.numel() * pg.partition.element_size()
                 params += self.coordinator.live_numel_of(pg) * self.dtype.itemsize
+            if pg.grads is None:  # frozen
+                continue
             if isinstance(pg.grads, FullGradients):
                 grads += pg.grads.buffer.numel() * pg.grads.buffer.element_size()
             else:
@@ -394,13 +409,28 @@ class ZeroOptimizer(LocalStep):
         (read back sub-group by sub-group from NVMe when offloaded there)."""
         if self.placement.device == "nvme":
             return self._swapped_state_dict()
+        masters = {id(m): m.detach().clone() for pg in self.trained for m in pg.masters}
+        return self._partition_dict(masters, self.optimizer.state_dict())
+
+    def _partition_dict(self, masters: dict[int, torch.Tensor], optimizer: dict) -> dict:
+        """The saved form: per group its layout, chunks and fp32 values (a frozen group's values
+        are its shards, read here, so that checkpoints keep frozen parameters)."""
+        def values(pg: PartitionGroup) -> list[torch.Tensor]:
+            if pg.opt_group >= 0:
+                return [masters[id(m)] for m in pg.masters]
+            return [self._read_shard(pg, u, start, end).float().clone() for u, start, end in pg.chunks]
         return {
             "stage": self.stage, "dp_world_size": self.world, "dp_rank": self.rank,
             "groups": [{"opt_group": pg.opt_group, "tp_sharded": pg.tp_sharded, "names": pg.names,
                         "layout": pg.layout.describe(), "chunks": [list(c) for c in pg.chunks],
-                        "masters": [m.detach().clone() for m in pg.masters]} for pg in self.groups],
-            "optimizer": self.optimizer.state_dict(),
+                        "masters": values(pg)} for pg in self.groups],
+            "optimizer": optimizer,
         }
+
+    def _read_shard(self, pg: PartitionGroup, u: int, start: int, end: int) -> torch.Tensor:
+        if self.param_store is not None:
+            return self.param_store.read_range((self.groups.index(pg), u), start, end)
+        return self._shard_of(pg, u)[start:end]
 
     def same_state_layout(self, saved: dict | None) -> bool:
         return saved is not None and same_partitioning(self.state_dict_skeleton(), saved)
@@ -431,13 +461,7 @@ class ZeroOptimizer(LocalStep):
                         key: t.clone() if isinstance(t, torch.Tensor) else t
                         for key, t in self.optimizer.state[m].items()}
             self.placement.evict(s, dirty=False)
-        return {
-            "stage": self.stage, "dp_world_size": self.world, "dp_rank": self.rank,
-            "groups": [{"opt_group": pg.opt_group, "tp_sharded": pg.tp_sharded, "names": pg.names,
-                        "layout": pg.layout.describe(), "chunks": [list(c) for c in pg.chunks],
-                        "masters": [masters[id(m)] for m in pg.masters]} for pg in self.groups],
-            "optimizer": optimizer,
-        }
+        return self._partition_dict(masters, optimizer)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
@@ -463,6 +487,13 @@ class ZeroOptimizer(LocalStep):
                     self.optimizer.state[m].update(loaded[id(m)])
             self._write_shards(pg, k, j)
             self.placement.evict(s)
+        for pg, saved in zip(self.groups, state["groups"]):
+            if pg.opt_group < 0:  # frozen: the saved shards are the values
+                for (u, start, _), value in zip(pg.chunks, saved["masters"]):
+                    if self.param_store is not None:
+                        self.param_store.write_range((self.groups.index(pg), u), start, value)
+                    else:
+                        self._shard_of(pg, u)[start:start + value.numel()].copy_(value)
         self._finish_update()
 
 

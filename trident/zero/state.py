@@ -63,6 +63,8 @@ def fill_partition_state(skeleton: dict, param_state: Callable[[str], Any]) -> N
         masters = []
         for k, (u, start, end) in enumerate(group["chunks"]):
             masters.append(shards["master"][u][start:end].clone())
-            states[indices[k]] = {**own_state(scalars), **{key: shards[key][u][start:end].clone() for key in keys}}
+            if group["opt_group"] >= 0:  # frozen groups (-1) carry values only
+                states[indices[k]] = {**own_state(scalars), **{key: shards[key][u][start:end].clone()
+                                                               for key in keys}}
         group["masters"] = masters
     skeleton["optimizer"]["state"] = states
