@@ -31,8 +31,10 @@ tp=1 is not such a pair (the row-parallel layers sum partial products in another
 is pp=2 against one stage (the tied embedding's two gradients are summed in fp32 across stages
 but in 16 bits within one).
 
-fp16 under a parameter server is refused (`fp16.enabled ... loss scaling is not implemented for
-parameter servers`); the test checks that every rank says so before it trains.
+fp16 under sync parameter servers: the workers push gradients of the scaled loss with the scale;
+the servers unscale, clip by the global norm and skip an overflowing round for every worker
+alike (the workers hold the servers' fp32 masters in fp16, bit for bit). Async mode refuses fp16:
+each worker's update is applied alone, so an overflow cannot be skipped consistently.
 
 `test_tied_copy_keeps_its_tp_split_through_a_cast` pins a bug the 2x2x2 run found: casting a
 pipeline stage to bf16/fp16 dropped the tensor-parallel marks of its copy of the tied
@@ -240,19 +242,25 @@ def test_sync_ps_bf16_tracks_fp32_and_matches_accumulation(optimizer):
     assert d <= DRIFT
 
 
-def refusal(fn, *args) -> str:
-    """Runs on every rank: the message of the ValueError `fn(*args)` raises ("" if none)."""
-    try:
-        fn(*args)
-    except ValueError as err:
-        return str(err)
-    return ""
-
-
-def test_sync_ps_refuses_fp16_on_every_rank():
-    messages = run_on_ranks(3, refusal, run_ps, 1, 4, 1, CLIP, "balanced", "adamw", "fp16", timeout=60)
-    assert all("fp16.enabled is true: loss scaling is not implemented for parameter servers" in m
-               for m in messages), messages
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_sync_ps_fp16_skips_overflows_alike_and_tracks_fp32(optimizer):
+    """1 server, 2 fp16 workers: the servers unscale by the pushed loss scale, clip by the global
+    norm and skip a round whose gradient overflowed, so every worker's scaler moves alike."""
+    results = run_on_ranks(3, traced, run_ps, 1, 4, 1, CLIP, "balanced", optimizer, "fp16")
+    workers = [(r, s) for r, s in results if r["role"] == "worker"]
+    server = next(r for r, _ in results if r["role"] == "server")
+    skipped = skipped_steps("fp16", [r["norms"] for r, _ in workers], [s for _, s in workers])
+    mean = [sum(s) / len(s) for s in zip(*(w["losses"] for w, _ in workers))]
+    ref = ps.serial_reference(8, CLIP, optimizer, skip=skipped)
+    assert_losses_close(mean, ref.losses, rtol=LOSS_RTOL)
+    held = server["params"]
+    for w, _ in workers:
+        for name, master in held.items():  # the workers hold the servers' fp32 masters in fp16
+            assert torch.equal(w["weights"][name], master.to(torch.float16).float()), name
+    d = drift(held, ref.weights, {k: v.detach() for k, v in ps.make_model().state_dict().items()})
+    worst = max(abs(a - b) / b for a, b in zip(mean, ref.losses))
+    print(f"\nps fp16 {optimizer}: skipped {skipped}, worst loss rel diff vs fp32 {worst:.2e}, weight drift {d:.3f}")
+    assert d <= DRIFT
 
 
 def test_tied_copy_keeps_its_tp_split_through_a_cast():

@@ -78,13 +78,13 @@ def train_loop(engine, micro: int, gas: int) -> tuple[list[float], list[float], 
 
 
 @functools.lru_cache(maxsize=None)
-def serial_reference(global_batch: int, clip: float, optimizer: str = "adamw") -> SerialRun:
-    """Plain PyTorch with trident's WarmupLR; `lrs` per step are the schedule's."""
+def serial_reference(global_batch: int, clip: float, optimizer: str = "adamw", skip: tuple[int, ...] = ()) -> SerialRun:
+    """Plain PyTorch with trident's WarmupLR; the steps in `skip` are skipped (fp16 overflows)."""
     def schedule(opt):
         return build_scheduler(load_config({"train_micro_batch_size_per_gpu": 1, "scheduler": SCHEDULE}).scheduler, opt)
     data = make_tokens(global_batch)
     batches = [(b[:, :-1], b[:, 1:]) for b in data.split(global_batch)]
-    return train_serial(make_model(), batches, optimizer, OPT_LR[optimizer], clip, schedule)
+    return train_serial(make_model(), batches, optimizer, OPT_LR[optimizer], clip, schedule, skip=skip)
 
 
 def serial_lrs() -> list[float]:

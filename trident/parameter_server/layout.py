@@ -76,9 +76,10 @@ def check_supported(cfg: TridentConfig) -> None:
     """Refuse combinations parameter servers do not implement, naming the key to change."""
     ps = cfg.parameter_server
     problems = []
-    if cfg.fp16.enabled:
-        problems.append("fp16.enabled is true: loss scaling is not implemented for parameter servers; use "
-                        "bf16 or fp32")
+    if cfg.fp16.enabled and ps.mode == "async":
+        problems.append("fp16.enabled is true with parameter_server.mode \"async\": each worker's update is "
+                        "applied on its own, so an fp16 overflow cannot be skipped by every worker alike; use "
+                        "bf16, or mode \"sync\" (where the servers skip an overflowing step for all workers)")
     if cfg.zero_optimization.stage != 0:
         problems.append(f"zero_optimization.stage is {cfg.zero_optimization.stage}: servers already shard the "
                         "parameters and optimizer state; set the stage to 0")

@@ -103,7 +103,7 @@ class Header:
     @classmethod
     def decode(cls, buf: torch.Tensor) -> Header:
         v = buf.tolist()
-        ints = [int(x) for x in v[:HEADER_FIELDS]]
+        ints = [x if i == 5 else int(x) for i, x in enumerate(v[:HEADER_FIELDS])]  # value may be inf / NaN
         return cls(kind=ints[0], step=ints[1], version=ints[2], clock=ints[3], need=ints[4],
                    value=float(v[5]), count=ints[6], spare=ints[7], lrs=tuple(v[HEADER_FIELDS:]))
 

@@ -226,12 +226,20 @@ class ParameterServer:
         for i in order:
             self._record(self.slots[i], self._arrived[i])
         self.shard.average_into_grad([self.slots[i].grad for i in order])
+        # fp16 workers push gradients of a loss multiplied by the loss scale (PUSH value, spare = 1);
+        # every server learns the global norm, unscales and clips by it, and skips the round when
+        # it is not finite, so every worker's loss scaler sees the same overflow.
+        first = self._arrived[order[0]]
+        fp16, loss_scale = bool(first.spare), (first.value if first.spare else 1.0)
         scale = 1.0
-        if self.clip > 0:
-            norm = math.sqrt(self.shard.grad_sq_norm() + self._peer_sq_norms())
+        if self.clip > 0 or fp16:
+            norm = math.sqrt(self.shard.grad_sq_norm() + self._peer_sq_norms()) / loss_scale
             self._last_norm = norm
-            scale = clip_coefficient(norm, self.clip)
-        self.shard.step(scale)
+            scale = clip_coefficient(norm, self.clip) / loss_scale
+        if fp16 and not math.isfinite(self._last_norm):
+            self.shard.skip()
+        else:
+            self.shard.step(scale)
         self.shard.clock = self.shard.version
         self._arrived.clear()
         self._cond.notify_all()

@@ -69,6 +69,10 @@ class ShardState:
             self.scheduler.step()
         self.version += 1
 
+    def skip(self) -> None:
+        """A round whose gradient overflowed (fp16): no optimizer or schedule step, a new version."""
+        self.version += 1
+
     def snapshot(self) -> torch.Tensor:
         """A copy of the flat parameters, safe to send while the shard keeps training."""
         return self.flat.clone()

@@ -31,6 +31,7 @@ from trident.parameter_server.remote import RemoteOptimizer, RemoteSchedule
 from trident.parameter_server.server import ParameterServer, ServeResult
 from trident.parameter_server.shard import ShardState
 from trident.parameter_server.strategy import PushPullStrategy
+from trident.precision.loss_scaler import make_loss_scaler
 from trident.precision.mixed import compute_dtype
 
 
@@ -118,12 +119,13 @@ def _start_worker(cfg: TridentConfig, layout: PSLayout, model: torch.nn.Module, 
     dtype = compute_dtype(cfg)
     model.to(dtype)
     strategy = PushPullStrategy(model, cfg, layout, dtype)
-    # No mesh: dp counts the workers, which never wait for each other; no masters, loss scaler
-    # or comms logger (the traffic is counted by comm_bytes()).
+    # No mesh: dp counts the workers, which never wait for each other; no masters (the servers
+    # keep fp32 shards) or comms logger (the traffic is counted by comm_bytes()). Under fp16 each
+    # worker's loss scaler moves alike: every worker gets the same overflow verdict per round.
     ranks = EngineRanks(global_rank=layout.rank, world_size=len(layout.ranks), dp_rank=layout.worker_index,
                         dp_world_size=layout.workers, writer=first, group=None)
     engine = Engine(model, cfg, mesh=None, batch=batch, master=None, strategy=strategy,
-                    optimizer=RemoteOptimizer(strategy), lr_scheduler=RemoteSchedule(strategy), loss_scaler=None,
+                    optimizer=RemoteOptimizer(strategy), lr_scheduler=RemoteSchedule(strategy), loss_scaler=make_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None,
                     comms_logger=None, monitors=Monitors(cfg.tensorboard, cfg.csv_monitor, enabled=first),
                     ranks=ranks)
     loader = None

@@ -68,6 +68,7 @@ class PushPullStrategy:
                  dtype: torch.dtype) -> None:
         ps = config.parameter_server
         self.layout, self.mode, self.staleness = layout, ps.mode, ps.staleness
+        self.fp16 = config.fp16.enabled  # sync only (check_supported): the servers skip overflowing rounds
         self.endpoint = Endpoint(layout.group)
         named = dict(module.named_parameters())
         self.pusher = GradientPusher(layout, [named[n] for n in layout.names], self.endpoint, dtype)
@@ -106,9 +107,12 @@ class PushPullStrategy:
 
     def step(self, max_norm: float, loss_scale: float, split_groups: Sequence[dist.ProcessGroup],
              lr_scheduler: Any) -> float | None:
-        """Push the window's gradient; sync: wait for the new parameters. `loss_scale` is 1 and
-        `split_groups` empty here (fp16 and pipelines are refused); the schedule is the servers'."""
+        """Push the window's gradient; sync: wait for the new parameters. The servers run the
+        schedule; `split_groups` is empty (pipelines are refused). Under fp16 (sync only) the
+        gradient is `loss_scale` times too large: the servers unscale it, and return a
+        non-finite norm when they skipped the round, which is the engine's overflow signal."""
         norm, coef = None, 1.0
+        fp16 = self.fp16
         if self.mode == "async":
             self.client.take_replies()  # the previous pull; the parameters are not in use between windows
             if max_norm > 0:
@@ -118,13 +122,15 @@ class PushPullStrategy:
         need = t + 1 - self.staleness if self.mode == "async" else 0
         for s, base in enumerate(self._base):
             self.client.request(s, Header(Kind.PUSH, step=t, version=base.version, clock=base.clock, need=need,
-                                          value=coef))
+                                          value=loss_scale if fp16 else coef, spare=int(fp16)))
         self.client.wait(self.pusher.wait_sends)
         if self.mode == "sync":
             self.client.take_replies()
-            if max_norm > 0:
+            if max_norm > 0 or fp16:
                 norm = self.client.norm
         self.steps += 1
+        if fp16:
+            return norm  # not finite: the servers skipped this round
         return norm if norm is not None and math.isfinite(norm) else None
 
     def grad_parts(self) -> list[tuple[list[torch.Tensor], tuple]]:
