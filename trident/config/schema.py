@@ -365,6 +365,24 @@ class ExpertParallelConfig(Section):
         return _reserved_size(size, "expert parallelism")
 
 
+class LoRAConfig(Section):
+    """`lora`: freeze the model and train low-rank adapters on its target linear layers
+    (`trident.peft.apply_lora`; peft's names). Present = on."""
+
+    r: int = Field(8, gt=0, description="Rank of each adapter (A: r x in, B: out x r).")
+    alpha: float = Field(16.0, gt=0, description="The update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(default_factory=lambda: ["qkv", "proj", "fc"], description=(
+        "Linear layers to adapt: a module whose name equals an entry or ends with '.' + it; an entry with "
+        "regex characters must match the whole name."))
+    modules_to_save: list[str] = Field(default_factory=list, description=(
+        "Modules trained in full besides the adapters (e.g. a new head)."))
+    bias: Literal["none", "lora_only", "all"] = Field("none", description="Which biases train.")
+    init: Literal["default", "gaussian", "pissa"] = Field("default", description=(
+        "A's initialisation (B starts at zero): kaiming-uniform, N(0, 1/r), or the base weight's top-r "
+        "singular directions (PiSSA; moved out of the frozen weight)."))
+
+
 class ActivationCheckpointingConfig(Section):
     """Recompute layers in backward instead of keeping their activations (DeepSpeed's section,
     plus `layers` / `every` to choose which modules trident.initialize wraps)."""
@@ -494,6 +512,7 @@ class TridentConfig(Section):
         "Context (sequence) parallelism; not implemented yet."))
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig, description=(
         "Expert parallelism; not implemented yet."))
+    lora: LoRAConfig | None = Field(None, description="LoRA fine-tuning (frozen base, trainable adapters).")
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing (recompute).")
     parameter_server: ParameterServerConfig = Field(default_factory=ParameterServerConfig, description=(

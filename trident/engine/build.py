@@ -101,6 +101,9 @@ def initialize(
     if mesh.tp_size > 1 or cfg.tensor_parallel.plan is not None:
         from trident.tensor_parallel import apply_tensor_parallel
         model = apply_tensor_parallel(model, cfg.tensor_parallel, mesh, logger=comms_logger)
+    if cfg.lora is not None:
+        from trident.peft import apply_lora
+        apply_lora(model, seed=cfg.seed, **cfg.lora.model_dump())
     _configure_activation_checkpointing(cfg, model, mesh)
     _broadcast_module(model, mesh)
     dtype = compute_dtype(cfg)
