@@ -101,3 +101,86 @@ def test_bad_lora_input_is_named():
         apply_lora(dp.make_model(), r=0)
     with pytest.raises(ValueError, match="'embed.wte' is a Embedding"):
         apply_lora(dp.make_model(), target_modules=["wte"])
+
+
+# -- pipelines: the user applies LoRA to the PipelineModule, with the serial adapters ---------------
+
+def _pipe_names(cfg) -> dict[str, str]:
+    """GPT module path -> PipelineModule module path, for every adapted layer."""
+    from trident.models.gpt_pipe import gpt_names
+    return {g[:-len(".weight")]: p[:-len(".weight")] for g, p in gpt_names(cfg).items()
+            if g.endswith(("qkv.weight", "proj.weight", "fc.weight"))}
+
+
+def train_lora_pipe(pp_size: int, tp: int, zero_stage: int):
+    """Every rank: the pipelined parity GPT (tp-native layers when tp > 1) with LoRA on its
+    stage's layers, adapters copied from the serial LoRA GPT (tp-sliced where split)."""
+    from trident.models.gpt import GPTConfig
+    from trident.models.gpt_pipe import gpt_pipe, load_gpt_state_dict
+    from tests.parity import test_pp_equivalence as pp
+
+    mesh = cached_mesh(pp=pp_size, tp=tp)
+    cfg = GPTConfig(**pp.MODEL)
+    pipe = gpt_pipe(cfg, pp_size, partition_method="uniform", stage_id=mesh.pp_rank, mesh=mesh if tp > 1 else None)
+    load_gpt_state_dict(pipe, pp.make_gpt().state_dict(), cfg)
+    serial = apply_lora(pp.make_gpt(), seed=SEED, **LORA).state_dict()
+    held = {m for m, _ in pipe.named_modules()}
+    names = {g: p for g, p in _pipe_names(cfg).items() if p in held}
+    apply_lora(pipe, **{**LORA, "target_modules": [f"^{p.replace('.', '[.]')}$" for p in names.values()]})
+    with torch.no_grad():
+        own = dict(pipe.named_parameters())
+        for g, p in names.items():
+            for part in ("lora_A", "lora_B"):
+                t, full = own[f"{p}.{part}"], serial[f"{g}.{part}"]
+                spec = getattr(t, "tp_spec", None)
+                t.copy_(spec.shard(full, mesh.tp_rank) if spec is not None else full)
+    gas = 8 // (pp.MICRO * mesh.dp_size)
+    config = {"train_micro_batch_size_per_gpu": pp.MICRO, "gradient_accumulation_steps": gas,
+              "optimizer": optimizer_section("sgd", LR), "gradient_clipping": CLIP, "steps_per_print": 0,
+              "zero_optimization": {"stage": zero_stage},
+              "pipeline": {"stages": pp_size, "schedule": "1f1b", "partition_method": "uniform"},
+              "tensor_parallel": {"size": tp}}
+    engine, *_ = trident.initialize(model=pipe, config=config, mesh=mesh)
+    data = pp.make_tokens(8)
+    losses, norms = [], []
+    for step in range(pp.STEPS):
+        first = step * 8 + mesh.dp_rank * pp.MICRO * gas
+        mine = data[first:first + pp.MICRO * gas]
+        micro = [(mine[k:k + pp.MICRO, :-1], mine[k:k + pp.MICRO, 1:]) for k in range(0, len(mine), pp.MICRO)]
+        losses.append(float(engine.train_batch(iter(micro))))
+        norms.append(engine.get_global_grad_norm())
+    adapters = {f"{g}.{part}": (own[f"{p}.{part}"].detach().clone(), getattr(own[f"{p}.{part}"], "tp_spec", None))
+                for g, p in names.items() for part in ("lora_A", "lora_B")}
+    return losses, norms, adapters, (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)
+
+
+@pytest.mark.parametrize("pp_size,tp,zero_stage,world", [(2, 1, 0, 2), (2, 2, 1, 4)], ids=["pp2", "pp2-tp2-zero1"])
+def test_lora_under_pipeline_and_3d_trains_like_one_process(pp_size, tp, zero_stage, world):
+    check_lora_pipe(run_on_ranks(world, train_lora_pipe, pp_size, tp, zero_stage))
+
+
+@pytest.mark.eight_ranks
+def test_lora_2x2x2_trains_like_one_process():
+    check_lora_pipe(run_on_ranks(8, train_lora_pipe, 2, 2, 1, timeout=600))
+
+
+def check_lora_pipe(results) -> None:
+    from tests.parity import test_pp_equivalence as pp
+    tokens = pp.make_tokens(8)[:pp.STEPS * 8]
+    ref = train_serial(apply_lora(pp.make_gpt(), seed=SEED, **LORA), [(b[:, :-1], b[:, 1:]) for b in tokens.split(8)],
+                       "sgd", LR, CLIP)
+    assert max(ref.clip_coefs) < 1.0
+    pieces: dict[tuple, dict[str, list]] = {}
+    for losses, norms, adapters, (p, d, t) in results:
+        assert_losses_close(losses, ref.losses, rtol=1e-5)
+        assert_norms_close(norms, ref.norms, rtol=1e-6)
+        for name, (value, spec) in adapters.items():
+            pieces.setdefault((d, name), []).append((t, value, spec))
+    seen = set()
+    for (d, name), parts in pieces.items():
+        parts.sort(key=lambda x: x[0])
+        spec = parts[0][2]
+        whole = spec.merge([v for _, v, _ in parts]) if spec is not None and len(parts) > 1 else parts[0][1]
+        assert_state_close({name: whole}, {name: ref.weights[name]}, rtol=1e-5)
+        seen.add(name)
+    assert seen == {k for k in ref.weights if "lora_" in k}

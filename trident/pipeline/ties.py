@@ -41,7 +41,8 @@ def tie_weights(module: PipelineModule, mesh: ParallelMesh) -> list[TiedWeights]
 
     Collective over every rank of the mesh: first every key's groups are created (by every
     rank, also those not holding the key), then the owner's weights are broadcast so every
-    copy starts equal; each copy then requires grad and accumulates its gradient in fp32.
+    copy starts equal; each copy of a trainable weight then requires grad and accumulates its
+    gradient in fp32 (a frozen one is left out: it has no gradient to reduce).
     """
     shared = {key: stages for key, stages in module.tied_stages.items() if len(stages) > 1}
     groups = {key: mesh.subgroup("pp", stages, tag=f"tied:{key}") for key, stages in shared.items()}
@@ -55,6 +56,13 @@ def tie_weights(module: PipelineModule, mesh: ParallelMesh) -> list[TiedWeights]
         with torch.no_grad():
             for w in tensors:
                 collectives.broadcast(w.data, src=0, group=group)
+            # a frozen tied weight (e.g. the embedding under LoRA) needs no gradient path: the
+            # owner, which holds the parameter, tells the copies
+            trainable = torch.tensor([float(owner and all(w.requires_grad for w in tensors))],
+                                     device=tensors[0].device)
+            collectives.broadcast(trainable, src=0, group=group)
+        if not trainable.item():
+            continue
         if not owner:
             for w, total in zip(tensors, sums):
                 w.requires_grad_(True)
