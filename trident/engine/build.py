@@ -109,6 +109,8 @@ def initialize(
     dtype = compute_dtype(cfg)
     model.to(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
+    counts = {"trainable": sum(p.numel() for p in params),
+              "frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad)}
     if not params:
         raise ValueError("the model has no parameters with requires_grad=True: nothing to train")
     for key in cfg.zero_optimization.inapplicable_keys():
@@ -127,6 +129,7 @@ def initialize(
                         comms_logger, monitors)
     loader = _make_loader(training_data, collate_fn, mesh, batch, cfg) if training_data is not None else None
     engine.training_dataloader = loader
+    engine.parameter_counts = counts  # this rank's (tp / pp local) elements, before any ZeRO partitioning
     _log_startup(engine, device)
     if cfg.checkpoint.auto_resume and cfg.checkpoint.path:
         _resume(engine, loader, cfg.checkpoint.path)
@@ -245,13 +248,22 @@ def _make_loader(dataset, collate_fn, mesh: ParallelMesh, batch, cfg) -> torch.u
 
 def _log_startup(engine: Engine, device: torch.device) -> None:
     b, mesh = engine.batch, engine.mesh
-    n = engine.strategy.numel
+    counts = getattr(engine, "parameter_counts", None)
+    n = counts["trainable"] + counts["frozen"] if counts else engine.strategy.numel
     logger.info("mesh (pp x dp x tp = %d x %d x %d) on %s:\n%s", mesh.pp_size, mesh.dp_size,
                 mesh.tp_size, device, mesh.describe())
     logger.info("batch: train_batch_size %d = micro %d x accumulation %d x dp %d",
                 b.train_batch_size, b.micro_batch_size, b.gradient_accumulation_steps, mesh.dp_size)
     logger.info("model: %.2fM parameters in %s; optimizer %s; ZeRO stage %d",
                 n / 1e6, engine.compute_dtype, type(engine.optimizer).__name__, engine.strategy.zero_stage)
+    if counts and counts["frozen"]:
+        lora = engine.config.lora
+        what = f" (LoRA r={lora.r}, alpha={lora.alpha:g})" if lora is not None else ""
+        logger.info("trainable %s elements, %s of the model%s; frozen %s (no gradients, no optimizer state): "
+                    "%s of parameters in %s on this rank", f"{counts['trainable']:,}",
+                    f"{counts['trainable'] / (counts['trainable'] + counts['frozen']):.2%}", what,
+                    f"{counts['frozen']:,}", format_bytes(counts["frozen"] * engine.compute_dtype.itemsize),
+                    engine.compute_dtype)
     mem = engine.memory_breakdown()
     logger.info("model states per rank: %s (optimizer states appear after the first step)",
                 ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()))

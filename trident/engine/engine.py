@@ -92,6 +92,7 @@ class Engine(BatchGetters, torch.nn.Module):
         self.last_loss: float | None = None
         self.last_step_overflowed = False
         self.training_dataloader = None      # set by initialize when it builds the loader
+        self.parameter_counts: dict[str, int] | None = None  # {"trainable", "frozen"} elements, set by initialize
         self.resumed_client_state = None     # client_state of the checkpoint auto_resume loaded
         self._backward_pending = False
         self._window_open = False
