@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	echo "$(TORCH_SPEC)" > $(VENV)/constraints.txt
+	PIP_CONSTRAINT=$(VENV)/constraints.txt $(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -371,6 +371,11 @@ class Engine(BatchGetters, torch.nn.Module):
             collectives.barrier(group=self.ranks.group)
         return True
 
+    def save_adapters(self, save_dir: str, base_model_name_or_path: str | None = None, **kwargs):
+        """Write the LoRA adapters, whole, in peft's format (`trident.peft.save_adapters`; collective)."""
+        from trident.peft.export import save_adapters
+        return save_adapters(self, save_dir, base_model_name_or_path, **kwargs)
+
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> str:
         """Write model, optimizer, scheduler and RNG state under save_dir/tag, atomically (a

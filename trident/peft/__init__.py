@@ -1,5 +1,6 @@
 """Parameter-efficient fine-tuning: LoRA adapters that every parallel layout understands."""
 
 from trident.peft.lora import LoRALinear, apply_lora, lora_state_dict, merge_lora
+from trident.peft.export import save_adapters
 
-__all__ = ["LoRALinear", "apply_lora", "lora_state_dict", "merge_lora"]
+__all__ = ["LoRALinear", "apply_lora", "lora_state_dict", "merge_lora", "save_adapters"]
