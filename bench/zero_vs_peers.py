@@ -102,6 +102,19 @@ def nested_tensors(obj) -> Iterable[torch.Tensor]:
             yield from nested_tensors(v)
 
 
+def deepspeed_model_states(model: torch.nn.Module, zero) -> dict[str, int]:
+    """Bytes of a DeepSpeed ZeRO engine's model states on this rank, from the storages it holds
+    (`zero` is the optimizer deepspeed.initialize returns)."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    for name in ("averaged_gradients", "grad_partitions_flat_buffer"):
+        grads += nested_tensors(getattr(zero, name, None))
+    inner = zero.optimizer  # torch's AdamW, rebound to the fp32 partitions
+    masters = [p for g in inner.param_groups for p in g["params"]]
+    return _breakdown([p.data for p in params] + [getattr(p, "ds_tensor", None) for p in params],
+                      grads, inner, masters)
+
+
 def _breakdown(params: list, grads: list, optimizer: torch.optim.Optimizer, masters: list) -> dict[str, int]:
     """parameters / gradients / optimizer states, each storage counted once, in that order."""
     p_bytes, counted = unique_storage_bytes(params)
@@ -150,14 +163,7 @@ def _deepspeed(model: torch.nn.Module, stage: int, world: int) -> System:
         engine.backward(engine(batch[:, :-1], batch[:, 1:]))
 
     def breakdown() -> dict[str, int]:
-        params = list(model.parameters())
-        grads = [p.grad for p in params]
-        for name in ("averaged_gradients", "grad_partitions_flat_buffer"):
-            grads += nested_tensors(getattr(zero, name, None))
-        inner = zero.optimizer  # torch's AdamW, rebound to the fp32 partitions
-        masters = [p for g in inner.param_groups for p in g["params"]]
-        return _breakdown([p.data for p in params] + [getattr(p, "ds_tensor", None) for p in params],
-                          grads, inner, masters)
+        return deepspeed_model_states(model, zero)
     return backward, engine.step, breakdown
 
 

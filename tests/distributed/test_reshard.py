@@ -47,6 +47,20 @@ def _pipe_engine(layout):
     return engine, mesh
 
 
+def train_range(engine, mesh, data, first: int, last: int, micro: int, global_batch: int) -> list[float]:
+    """Optimizer steps first..last-1, each on this dp rank's micro-batches of a global batch."""
+    gas = global_batch // (micro * mesh.dp_size)
+    losses = []
+    for step in range(first, last):
+        for k in range(gas):
+            start = step * global_batch + (mesh.dp_rank * gas + k) * micro
+            batch = data[start:start + micro]
+            engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+            engine.step()
+        losses.append(engine.last_loss)
+    return losses
+
+
 def _pipe_steps(engine, mesh, start: int, stop: int) -> list[float]:
     data = make_tokens(GLOBAL)
     gas = GLOBAL // (MICRO * mesh.dp_size)
@@ -156,16 +170,7 @@ def gpt_run(dp: int, tp: int, zero: int, root: str | None, mode: str):
     if mode == "resume":
         engine.load_checkpoint(root)
     first, last = {"save": (0, SAVE_AT), "resume": (SAVE_AT, STEPS), "straight": (0, STEPS)}[mode]
-    data = make_tokens(GLOBAL)
-    gas = GLOBAL // (MICRO * dp)
-    losses = []
-    for step in range(first, last):
-        for k in range(gas):
-            start = step * GLOBAL + (mesh.dp_rank * gas + k) * MICRO
-            batch = data[start:start + MICRO]
-            engine.backward(engine(batch[:, :-1], batch[:, 1:]))
-            engine.step()
-        losses.append(engine.last_loss)
+    losses = train_range(engine, mesh, make_tokens(GLOBAL), first, last, MICRO, GLOBAL)
     if mode == "save":
         engine.save_checkpoint(root)
     losses = losses[SAVE_AT:] if mode == "straight" else losses

@@ -381,6 +381,8 @@ def reshard(src: str | Path, out: str | Path, pp: int, tp: int, dp: int) -> Path
         "resharded_from": reader.layout, "tensors": tensors, "tied": reader.tied,
         "files": {f: {"sha256": digest, "bytes": (partial / f).stat().st_size} for f, digest in sorted(files.items())},
     }
+    if "lora" in reader.manifest:  # the adapters' scaling, for merge-lora
+        manifest["lora"] = reader.manifest["lora"]
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
     if out.exists():
         out.rmdir()

@@ -241,6 +241,11 @@ def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str], t
         "files": {name: {"sha256": digest, "bytes": (folder / name).stat().st_size}
                   for name, digest in sorted(checksums.items())},
     }
+    from trident.peft.merge import lora_record
+    lora = getattr(engine.config, "lora", None)  # else LoRA applied by hand: read off the layers
+    record = {"r": lora.r, "alpha": lora.alpha} if lora is not None else lora_record(engine.module)
+    if record is not None:  # the adapters' scaling, alpha / r: `trident checkpoint merge-lora` needs it
+        manifest["lora"] = record
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, folder / MANIFEST)

@@ -1,5 +1,5 @@
-"""`trident checkpoint inspect | reshard | consolidate`: work with a checkpoint on disk, with no
-process group.
+"""`trident checkpoint inspect | reshard | consolidate | merge-lora`: work with a checkpoint on
+disk, with no process group.
 
 CKPT_DIR is the folder given to `engine.save_checkpoint` (its `latest` tag is used unless
 --tag is given) or one checkpoint folder.
@@ -11,6 +11,10 @@ CKPT_DIR is the folder given to `engine.save_checkpoint` (its `latest` tag is us
                                             (.safetensors, or .pt/.bin for torch.save) or a
                                             folder (model_fp32.safetensors inside); it loads
                                             into the unsplit model with `load_state_dict`
+  merge-lora CKPT_DIR OUT                   a LoRA checkpoint's adapters folded into their base
+                                            weights (W + alpha / r * B A, alpha and r from the
+                                            manifest): OUT/model.safetensors loads into the
+                                            model as it was before `apply_lora`
 """
 
 from __future__ import annotations
@@ -43,6 +47,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         r.add_argument(flag, type=int, required=True, help=f"{flag[2:]} size of the new layout")
     r.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
     r.set_defaults(func=run_reshard)
+    m = sub.add_parser("merge-lora", help="write the model with its LoRA adapters merged into the weights",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m.add_argument("checkpoint_dir", metavar="CKPT_DIR", help="save_checkpoint's folder, or one tag folder")
+    m.add_argument("out", metavar="OUT", help="output folder (model.safetensors is written inside)")
+    m.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
+    m.add_argument("--scaling", type=float, default=None,
+                   help="alpha / r, for a checkpoint whose manifest does not record them (default: the manifest's)")
+    m.set_defaults(func=run_merge_lora)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
     return p
 
@@ -84,4 +96,17 @@ def run_reshard(args: argparse.Namespace) -> int:
         print(f"trident checkpoint reshard: {err}", file=sys.stderr)
         return 1
     print(out)
+    return 0
+
+
+def run_merge_lora(args: argparse.Namespace) -> int:
+    from trident.checkpointing.state import CheckpointError
+    from trident.peft.merge import merge_lora_checkpoint
+
+    try:
+        _, summary = merge_lora_checkpoint(args.checkpoint_dir, args.out, tag=args.tag, scaling=args.scaling)
+    except (CheckpointError, ValueError) as err:
+        print(f"trident checkpoint merge-lora: {err}", file=sys.stderr)
+        return 1
+    print(summary)
     return 0

@@ -3,12 +3,16 @@
     trident plan --model gpt3-175b --gpus 1024 [--gpu a100-80gb] [--nodes-of 8]
                  [--seq-len 2048] [--global-batch 1536] [--config ds.json] [--top 10] [--json]
     trident plan --params 7.5e9 --gpus 64
+    trident plan --model llama-7b --gpus 8 --lora-r 16 [--lora-targets qkv,o,mlp]
 
 MODEL is a preset, a Hugging Face-style config.json, or --layers/--hidden/--heads/--vocab.
 Without --config every valid layout is estimated and those that fit are ranked by predicted
 throughput; with --config the one layout it describes is reported in full. --params gives
-model-state memory per GPU and per node for each ZeRO stage and offload choice. The exit
-status is 1 when nothing fits (or the --config layout does not), 2 for bad arguments.
+model-state memory per GPU and per node for each ZeRO stage and offload choice. --lora-r
+plans LoRA fine-tuning: the model frozen (parameter bytes only), adapters of rank R on the
+--lora-targets layers trained (gradients and optimizer states); a --config with a `lora`
+section implies its r. The exit status is 1 when nothing fits (or the --config layout does
+not), 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 
 from trident.cli.args import positive_int
 from trident.planner.estimate import estimate
-from trident.planner.layout import Layout, Workload
+from trident.planner.layout import DEFAULT_LORA_TARGETS, LORA_TARGETS, Layout, Workload
 from trident.planner.memory import mixed_precision_bytes, zero_state_table
 from trident.planner.presets import (GPU_PRESETS, MODEL_PRESETS, GiB, ModelSpec, make_cluster, model_from_hf_config,
                                      model_preset)
@@ -36,6 +40,14 @@ def _positive_count(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number such as 7.5e9, got {text!r}")
     return value
+
+
+def _lora_targets(text: str) -> tuple[str, ...]:
+    targets = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown or not targets:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(LORA_TARGETS)}, got {text!r}")
+    return targets
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -57,6 +69,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="a trident/DeepSpeed JSON config: report its layout")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 (or the config's)")
     p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, lion or adagrad (default adam)")
+    p.add_argument("--lora-r", type=positive_int, default=None,
+                   help="LoRA fine-tuning with adapters of this rank (default: full training, or --config's lora.r)")
+    p.add_argument("--lora-targets", type=_lora_targets, default=DEFAULT_LORA_TARGETS,
+                   help=f"comma-separated layers LoRA adapts, of {','.join(LORA_TARGETS)} "
+                        f"(default {','.join(DEFAULT_LORA_TARGETS)})")
     p.add_argument("--top", type=positive_int, default=10, help="ranked layouts to print (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
@@ -103,7 +120,9 @@ def _config_layout(path: str, gpus: int) -> tuple[Layout, dict]:
                     cfg.pipeline.schedule, cfg.pipeline.virtual_stages)
     precision = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
     optimizer = cfg.optimizer.type.lower() if cfg.optimizer else None
-    return layout, {"global_batch": batch.train_batch_size, "precision": precision, "optimizer": optimizer}
+    lora_r = cfg.lora.r if getattr(cfg, "lora", None) is not None else 0
+    return layout, {"global_batch": batch.train_batch_size, "precision": precision, "optimizer": optimizer,
+                    "lora_r": lora_r}
 
 
 def _state_table(args: argparse.Namespace, out) -> int:
@@ -138,6 +157,9 @@ def run(args: argparse.Namespace, out=None) -> int:
         if args.params is not None:
             if args.model or args.layers:
                 raise ValueError("--params replaces the model: give --params or a model, not both")
+            if args.lora_r:
+                raise ValueError("--lora-r needs the model's shape (adapters have r x (in + out) parameters per "
+                                 "layer): give --model or --layers --hidden --heads --vocab instead of --params")
             return _state_table(args, out)
         model = _model(args)
         cluster = make_cluster(args.gpu, args.gpus, args.nodes_of)
@@ -145,12 +167,13 @@ def run(args: argparse.Namespace, out=None) -> int:
         if args.config:
             layout, cfg = _config_layout(args.config, args.gpus)
             workload = Workload(seq, args.global_batch or cfg["global_batch"], args.precision or cfg["precision"],
-                                cfg["optimizer"] or args.optimizer)
+                                cfg["optimizer"] or args.optimizer, lora_r=args.lora_r or cfg["lora_r"],
+                                lora_targets=args.lora_targets)
             est = estimate(model, layout, cluster, workload)
             print(json.dumps(est.to_dict(), indent=2) if args.json else est.format(), file=out)
             return 0 if est.valid and est.fits else 1
         workload = Workload(seq, args.global_batch or _default_batch(seq, args.gpus), args.precision or "bf16",
-                            args.optimizer)
+                            args.optimizer, lora_r=args.lora_r or 0, lora_targets=args.lora_targets)
         result = search(model, cluster, workload)
     except (ValueError, OSError) as err:
         print(f"trident plan: {err}", file=sys.stderr)
@@ -158,8 +181,9 @@ def run(args: argparse.Namespace, out=None) -> int:
     if args.json:
         print(json.dumps(result.to_dict(args.top), indent=2), file=out)
     else:
+        lora = f"; LoRA r={workload.lora_r} on {','.join(workload.lora_targets)}" if workload.lora_r else ""
         print(f"{model.describe()}\n{args.gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node); global batch "
-              f"{workload.global_batch} x {seq} tokens; {workload.precision} + {workload.optimizer}\n", file=out)
+              f"{workload.global_batch} x {seq} tokens; {workload.precision} + {workload.optimizer}{lora}\n", file=out)
         print(result.format(args.top), file=out)
     return 0 if result.ranked else 1
 

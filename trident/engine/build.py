@@ -290,4 +290,7 @@ def _predicted_model_states(engine: Engine):
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(engine.compute_dtype, "fp32")
     stage = engine.strategy.zero_stage
     state = trident_state_bytes(stage, precision, name)
-    return model_state_bytes(engine.strategy.numel, stage, engine.mesh.dp_size, state)
+    counts = getattr(engine, "parameter_counts", None)
+    frozen = counts["frozen"] if counts else 0  # e.g. LoRA's base model: parameter bytes only
+    return model_state_bytes(engine.strategy.numel + frozen, stage, engine.mesh.dp_size, state,
+                             trainable=engine.strategy.numel)

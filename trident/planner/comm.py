@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from trident.planner.layout import Layout, Workload, grad_accumulation, stage_layers
-from trident.planner.memory import StateBytes, rank_parameters
+from trident.planner.memory import StateBytes, rank_parameter_counts
 from trident.planner.presets import Cluster, ModelSpec
 
 LINK_EFFICIENCY = 0.8
@@ -125,14 +125,15 @@ def data_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workload, 
     all-gathers the updated parameters), stage 2 reduce-scatters on every micro-batch, stage 3
     also all-gathers each layer's parameters for forward and for backward on every micro-batch.
     Stage 0-2's reduction overlaps backward except for the last bucket; stage 3's gathers are
-    prefetched, so they overlap compute too.
+    prefetched, so they overlap compute too. Only trainable parameters (LoRA's adapters) have
+    gradients and change; stage 3 gathers the frozen ones as well.
     """
     span = group_span("dp", layout, cluster.gpus_per_node)
     if span.size <= 1:
         return []
     gas = grad_accumulation(layout, workload) or 1
-    psi = rank_parameters(model, layout.tp, layout.pp)
-    grads, params = psi * state.gradient, psi * state.parameter
+    psi, trainable = rank_parameter_counts(model, layout, workload)
+    grads, params = trainable * state.gradient, psi * state.parameter
     stage = layout.zero_stage
 
     def t(axis_op: str, what: str, size: float, calls: int, overlapped: bool) -> Traffic:
@@ -145,7 +146,7 @@ def data_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workload, 
     if stage == 3:
         out.append(t("all_gather", "parameters (forward + backward)", params, 2 * gas, True))
     else:
-        out.append(t("all_gather", "updated parameters", params, 1, False))
+        out.append(t("all_gather", "updated parameters", trainable * state.parameter, 1, False))
     return out
 
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from trident.planner.comm import Traffic, step_traffic
 from trident.planner.layout import Layout, Workload, grad_accumulation, layout_problems
 from trident.planner.memory import (PLACE, MemoryEstimate, StateBytes, activation_memory, memory_estimate,
-                                    mixed_precision_bytes)
+                                    mixed_precision_bytes, rank_parameter_counts)
 from trident.planner.presets import Cluster, GiB, ModelSpec, model_preset
 from trident.planner.time import TimeEstimate, step_time
 
@@ -51,6 +51,7 @@ class Estimate:
         m = self.memory
         return {
             "model": self.model.name, "parameters": self.model.num_parameters(),
+            "rank_parameters_trainable": rank_parameter_counts(self.model, self.layout, self.workload)[1],
             "layout": asdict(self.layout), "workload": asdict(self.workload),
             "cluster": {"gpu": self.cluster.gpu.name, "num_gpus": self.cluster.num_gpus,
                         "gpus_per_node": self.cluster.gpus_per_node},
@@ -78,6 +79,10 @@ class Estimate:
                  f"batch    {w.global_batch} sequences x {w.seq_len} tokens = {w.tokens_per_step():,} tokens per step"
                  + (f" ({gas} micro-batches of {self.layout.micro_batch} per rank)" if gas else ""),
                  f"format   {w.precision}, {w.optimizer}, {w.attention} attention" + (", dropout" if w.dropout else "")]
+        if w.lora_r:
+            params, trainable = rank_parameter_counts(self.model, self.layout, w)
+            lines.append(f"LoRA     r={w.lora_r} on {','.join(w.lora_targets)}: {trainable:,.0f} trainable of "
+                         f"{params:,.0f} parameters per rank ({100 * trainable / params:.2f}%); the rest frozen")
         lines += [f"INVALID  {p}" for p in self.problems]
         return lines
 

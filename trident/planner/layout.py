@@ -19,6 +19,12 @@ Offload = Literal["none", "cpu", "nvme"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 Precision = Literal["bf16", "fp16", "fp32"]
 
+LORA_TARGETS = ("q", "k", "v", "qkv", "o", "mlp")
+"""Linear layers of a block LoRA can adapt: separate or fused query/key/value projections, the
+attention output, every matrix of the MLP."""
+DEFAULT_LORA_TARGETS = ("qkv", "o", "mlp")
+"""What `lora.target_modules`' default (qkv, proj, fc) adapts on trident's reference GPT."""
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -59,7 +65,12 @@ class Workload:
     """The training run: tokens per sequence, sequences per optimizer step, number formats.
 
     `attention="flash"` keeps no seq x seq score matrix (a fused kernel); `"eager"` stores the
-    softmax and its dropout as Korthikanti et al. 2022 count them.
+    softmax and its dropout as Korthikanti et al. 2022 count them. `lora_r` > 0 fine-tunes
+    with LoRA adapters of that rank on `lora_targets` (see `LORA_TARGETS`): the model is
+    frozen, only the adapters have gradients, optimizer states, gradient traffic and an
+    optimizer step. Compute is still priced as full training: the frozen weights' skipped
+    weight-gradient GEMMs (about a third of the FLOPs) are counted and the adapters' own small
+    GEMMs are not, so a LoRA step time errs on the slow side.
     """
 
     seq_len: int
@@ -69,6 +80,20 @@ class Workload:
     attention: Literal["flash", "eager"] = "flash"
     dropout: bool = False
     reduce_bucket_elems: int = 500_000_000
+    lora_r: int = 0
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r < 0:
+            raise ValueError(f"lora_r must be a non-negative integer (0 = full fine-tuning), got {self.lora_r!r}")
+        if self.lora_r:
+            unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+            if unknown or not self.lora_targets:
+                raise ValueError(f"lora_targets {list(self.lora_targets)}: each must be one of "
+                                 f"{', '.join(LORA_TARGETS)} (and at least one)")
+            if "qkv" in self.lora_targets and {"q", "k", "v"} & set(self.lora_targets):
+                raise ValueError(f"lora_targets {list(self.lora_targets)}: 'qkv' is the fused q, k and v "
+                                 "projection; name either it or q/k/v, not both")
 
     @property
     def activation_bytes(self) -> int:

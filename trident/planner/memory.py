@@ -7,6 +7,11 @@ data-parallel ranks and P, G, K bytes per parameter of weights, gradients and op
     stage 0   (P + G + K) Psi            stage 2   P Psi + (G + K) Psi / N
     stage 1   (P + G) Psi + K Psi / N    stage 3   (P + G + K) Psi / N
 
+With LoRA (or any frozen part) only Psi_t of the Psi parameters train: the frozen ones cost P
+bytes each (partitioned under stage 3 like the rest), the trainable ones P + G + K as above, so
+G and K multiply Psi_t instead of Psi. Adapters add r (in + out) parameters per adapted linear
+layer, split over tp the way their base layer is.
+
 Activations per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models", section 4): s b h (34 + 5 a s / h)
 bytes in 16-bit with dropout and unfused attention; with tensor parallelism t the
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trident.planner.layout import Layout, Workload, grad_accumulation, stage_layers
+from trident.planner.layout import DEFAULT_LORA_TARGETS, Layout, Workload, grad_accumulation, stage_layers
 from trident.planner.presets import Cluster, ModelSpec
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lion": 4, "adagrad": 4, "sgd": 4, "sgd-nomomentum": 0}
@@ -85,15 +90,22 @@ class ModelStates:
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer_states": self.optimizer_states}
 
 
-def model_state_bytes(num_params: float, stage: int, dp: int, state: StateBytes) -> ModelStates:
-    """Per-rank model states of `num_params` parameters under ZeRO `stage` over `dp` ranks."""
+def model_state_bytes(num_params: float, stage: int, dp: int, state: StateBytes,
+                      trainable: float | None = None) -> ModelStates:
+    """Per-rank model states of `num_params` parameters under ZeRO `stage` over `dp` ranks, of
+    which `trainable` (default: all) have gradients and optimizer states; the others are
+    frozen and cost their parameter bytes only."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
     if dp < 1:
         raise ValueError(f"the data-parallel size must be >= 1, got {dp}")
+    trainable = num_params if trainable is None else trainable
+    if not 0 <= trainable <= num_params:
+        raise ValueError(f"trainable parameters must be between 0 and the {num_params:g} parameters, got "
+                         f"{trainable:g}")
     return ModelStates(num_params * state.parameter / (dp if stage >= 3 else 1),
-                       num_params * state.gradient / (dp if stage >= 2 else 1),
-                       num_params * state.k / (dp if stage >= 1 else 1))
+                       trainable * state.gradient / (dp if stage >= 2 else 1),
+                       trainable * state.k / (dp if stage >= 1 else 1))
 
 
 def zero_paper_bytes(num_params: float, stage: int, dp: int, k: float = 12) -> float:
@@ -111,6 +123,47 @@ def rank_parameters(model: ModelSpec, tp: int, pp: int) -> float:
     table = model.vocab_size * model.d_model
     first = table + (model.seq_len * model.d_model if model.position == "learned" else 0)
     return (layers + max(first, table + model.d_model)) / tp
+
+
+def lora_layer_parameters(model: ModelSpec, r: int, targets: tuple[str, ...] = DEFAULT_LORA_TARGETS,
+                          tp: int = 1) -> float:
+    """LoRA adapter parameters of one transformer layer on one tp rank: r (in + out) for each
+    targeted linear layer, A (r x in) and B (out x r) split as `trident.peft` splits them.
+
+    Column-split layers (q, k, v, qkv, the MLP's up and gate matrices) keep A whole and split
+    B's rows; row-split ones (o, the MLP's down matrix) split A's columns and keep B whole.
+    """
+    h, kv, ff = model.d_model, model.kv_dim, model.ff_dim
+
+    def column(n_in: float, n_out: float) -> float:
+        return r * (n_in + n_out / tp)
+
+    def row(n_in: float, n_out: float) -> float:
+        return r * (n_in / tp + n_out)
+
+    up = column(h, ff) * (2 if model.gated_mlp else 1)  # a gated MLP has up and gate matrices
+    per_target = {"q": column(h, h), "k": column(h, kv), "v": column(h, kv), "qkv": column(h, h + 2 * kv),
+                  "o": row(h, h), "mlp": up + row(ff, h)}
+    unknown = [t for t in targets if t not in per_target]
+    if unknown:
+        raise ValueError(f"LoRA targets {unknown}: choose among {', '.join(per_target)}")
+    return sum(per_target[t] for t in targets)
+
+
+def lora_parameters(model: ModelSpec, r: int, targets: tuple[str, ...] = DEFAULT_LORA_TARGETS, tp: int = 1,
+                    pp: int = 1) -> float:
+    """Adapter parameters on the busiest rank (its stage's layers, on one tp rank)."""
+    return stage_layers(model, pp) * lora_layer_parameters(model, r, targets, tp)
+
+
+def rank_parameter_counts(model: ModelSpec, layout: Layout, workload: Workload) -> tuple[float, float]:
+    """(parameters, trainable parameters) on the busiest rank: the model's, all trainable; with
+    `workload.lora_r`, the frozen model plus its adapters, of which only the adapters train."""
+    base = rank_parameters(model, layout.tp, layout.pp)
+    if not workload.lora_r:
+        return base, base
+    adapters = lora_parameters(model, workload.lora_r, workload.lora_targets, layout.tp, layout.pp)
+    return base + adapters, adapters
 
 
 PLACE = {"none": "device", "cpu": "host", "nvme": "nvme"}
@@ -205,10 +258,10 @@ def activation_memory(model: ModelSpec, layout: Layout, workload: Workload) -> f
 def comm_buffer_bytes(model: ModelSpec, layout: Layout, workload: Workload, state: StateBytes) -> float:
     """Staging buffers of gradient reduction (stages 1-3), gathered layers (stage 3) and
     pipeline send/receive buffers."""
-    rank_params = rank_parameters(model, layout.tp, layout.pp)
+    _, trainable = rank_parameter_counts(model, layout, workload)
     total = 0.0
     if layout.zero_stage >= 1:
-        total += min(workload.reduce_bucket_elems, rank_params) * state.gradient
+        total += min(workload.reduce_bucket_elems, trainable) * state.gradient
     if layout.zero_stage == 3:
         total += 2 * model.layer_parameters() / layout.tp * state.parameter  # current + prefetched layer
     if layout.pp > 1:
@@ -240,7 +293,8 @@ def memory_estimate(model: ModelSpec, layout: Layout, workload: Workload, cluste
                     state: StateBytes | None = None) -> MemoryEstimate:
     """The whole per-rank memory picture of `layout` (textbook mixed-precision bytes by default)."""
     state = state or mixed_precision_bytes(workload.precision, workload.optimizer)
-    states = model_state_bytes(rank_parameters(model, layout.tp, layout.pp), layout.zero_stage, layout.dp, state)
+    params, trainable = rank_parameter_counts(model, layout, workload)
+    states = model_state_bytes(params, layout.zero_stage, layout.dp, state, trainable)
     acts = activation_memory(model, layout, workload)
     buffers = comm_buffer_bytes(model, layout, workload, state)
     return MemoryEstimate(states, place_model_states(states, layout), acts, buffers,
@@ -261,16 +315,18 @@ class StateEstimate:
 
 
 def zero_state_table(num_params: float, num_gpus: int, gpus_per_node: int, precision: str = "bf16",
-                     optimizer: str = "adam", largest_layer_params: float | None = None) -> list[StateEstimate]:
+                     optimizer: str = "adam", largest_layer_params: float | None = None,
+                     trainable: float | None = None) -> list[StateEstimate]:
     """Every ZeRO stage and offload choice, in the manner of DeepSpeed's
     `estimate_zero2_model_states_mem_needs` / `estimate_zero3_...`: device bytes per GPU and host
-    bytes per node. Stage 3 keeps the largest layer gathered while it runs."""
+    bytes per node. Stage 3 keeps the largest layer gathered while it runs. `trainable`: how
+    many of the parameters train (default all; e.g. LoRA's adapters among the frozen model's)."""
     state = mixed_precision_bytes(precision, optimizer)
     choices = [(0, "none", "none"), (1, "none", "none"), (1, "cpu", "none"), (2, "none", "none"),
                (2, "cpu", "none"), (3, "none", "none"), (3, "cpu", "none"), (3, "cpu", "cpu")]
     rows = []
     for stage, opt, par in choices:
-        states = model_state_bytes(num_params, stage, num_gpus, state)
+        states = model_state_bytes(num_params, stage, num_gpus, state, trainable)
         placed = place_model_states(states, Layout(dp=num_gpus, zero_stage=stage, offload_optimizer=opt,
                                                    offload_params=par))
         device = placed.device

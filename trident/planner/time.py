@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from trident.planner.comm import Traffic, step_traffic
 from trident.planner.layout import Layout, Workload, grad_accumulation, stage_layers
-from trident.planner.memory import StateBytes, rank_parameters
+from trident.planner.memory import StateBytes, rank_parameter_counts
 from trident.planner.presets import Cluster, ModelSpec
 
 HOST_BANDWIDTH_PER_GPU = 25e9
@@ -115,8 +115,10 @@ def _dp_exposed(traffic: list[Traffic], layout: Layout, stage: StageTime, gas: i
     return sum(x.seconds for x in dp if not x.overlapped) + max(0.0, hidden - window)
 
 
-def _optimizer_time(model: ModelSpec, layout: Layout, cluster: Cluster, state: StateBytes) -> float:
-    psi = rank_parameters(model, layout.tp, layout.pp) / (layout.dp if layout.zero_stage >= 1 else 1)
+def _optimizer_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster,
+                    state: StateBytes) -> float:
+    _, trainable = rank_parameter_counts(model, layout, workload)  # frozen parameters take no step
+    psi = trainable / (layout.dp if layout.zero_stage >= 1 else 1)
     g = cluster.gpu
     if layout.offload_optimizer == "none":
         return psi * OPTIMIZER_BYTES_PER_PARAM / (g.hbm_bandwidth * g.memory_efficiency)
@@ -155,7 +157,7 @@ def step_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Clu
     per_micro = stage.forward + stage.backward
     bubble = bubble_fraction_of_flush(layout) * per_micro
     dp = _dp_exposed(traffic, layout, stage, gas)
-    opt = _optimizer_time(model, layout, cluster, state)
+    opt = _optimizer_time(model, layout, workload, cluster, state)
     step = gas * per_micro + bubble + dp + opt
     tokens = workload.tokens_per_step()
     gpus = layout.world_size
