@@ -52,7 +52,8 @@ def train_lora(zero: dict, tp: int, extra: dict | None = None):
     weights = {k: v.float() for k, v in engine.consolidated_state_dict().items()}
     local_adapters = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
     return dict(losses=losses, norms=norms, weights=weights, specs=shard_specs(engine.module), start=start,
-                memory=engine.memory_breakdown(), traffic=traffic, local=local_adapters,
+                memory=engine.memory_breakdown(), split=engine.memory_breakdown(split_parameters=True),
+                traffic=traffic, local=local_adapters,
                 dp=mesh.dp_rank, tp=mesh.tp_rank)
 
 
@@ -89,6 +90,12 @@ def test_lora_trains_like_one_process_with_adapter_only_gradients_state_and_traf
         local = adapters if tp == 1 else r["local"]
         assert r["memory"]["gradients"] == pytest.approx(4 * local / (n_dp if stage >= 2 else 1), rel=0.05)
         assert r["memory"]["optimizer_states"] == pytest.approx(4 * local / (n_dp if stage >= 1 else 1), rel=0.05)
+        split = r["split"]  # the frozen base apart: whole, or its shards under ZeRO-3
+        assert split["frozen_parameters"] + split["trainable_parameters"] == r["memory"]["parameters"]
+        if tp == 1:
+            base = sum(p.numel() for p in dp.make_model().parameters()) * 4
+            assert split["frozen_parameters"] == pytest.approx(base / (n_dp if stage == 3 else 1), rel=0.05)
+            assert split["trainable_parameters"] == pytest.approx(4 * adapters / (n_dp if stage == 3 else 1), rel=0.05)
         if tp == 1:  # gradient bytes on the wire per step: the adapters' (padded to dp under ZeRO)
             sent = r["traffic"].get("all_reduce", 0) + r["traffic"].get("reduce_scatter", 0)
             assert sent == pytest.approx(4 * adapters, rel=0.05)

@@ -97,6 +97,9 @@ class ReplicatedOptimizer(LocalStep):
     def reload_masters(self) -> None:
         self.master.copy_from_model()
 
+    def frozen_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.frozen)
+
     def placement_bytes(self) -> dict[str, int]:
         return {"device": sum(self.memory_breakdown().values()), "host": 0, "nvme": 0}
 

@@ -277,13 +277,20 @@ class Engine(BatchGetters, torch.nn.Module):
 
     # -- accounting ------------------------------------------------------------------------
 
-    def memory_breakdown(self) -> dict[str, int]:
+    def memory_breakdown(self, split_parameters: bool = False) -> dict[str, int]:
         """Bytes of model states this rank holds: {"parameters", "gradients", "optimizer_states"}.
 
         fp32 master weights count as optimizer states, as in the ZeRO paper; scalar optimizer
-        state (Adam's step counter) is not counted.
+        state (Adam's step counter) is not counted. Frozen parameters (a LoRA base) count as
+        parameters only; `split_parameters=True` reports them apart: {"trainable_parameters",
+        "frozen_parameters", "gradients", "optimizer_states"}.
         """
-        return self.strategy.memory_breakdown()
+        mem = self.strategy.memory_breakdown()
+        if not split_parameters:
+            return mem
+        frozen = self.strategy.frozen_bytes()
+        return {"trainable_parameters": mem["parameters"] - frozen, "frozen_parameters": frozen,
+                "gradients": mem["gradients"], "optimizer_states": mem["optimizer_states"]}
 
     @torch.no_grad()
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:

@@ -96,6 +96,9 @@ class GradientStrategy(Protocol):
         """Bytes this rank holds: {"parameters", "gradients", "optimizer_states"} (fp32 masters
         count as optimizer states, as in the ZeRO paper; frozen parameters as parameters only)."""
 
+    def frozen_bytes(self) -> int:
+        """The part of memory_breakdown()["parameters"] that is frozen (requires_grad=False)."""
+
     def placement_bytes(self) -> dict[str, int]:
         """Bytes of model states by where they live: {"device", "host", "nvme"}."""
 

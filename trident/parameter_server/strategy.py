@@ -152,6 +152,10 @@ class PushPullStrategy:
         on the servers."""
         return self.pusher.memory_breakdown()
 
+    def frozen_bytes(self) -> int:
+        """Frozen parameters are neither pushed nor served: memory_breakdown() counts the shards only."""
+        return 0
+
     def placement_bytes(self) -> dict[str, int]:
         """Staging (and, off the CPU, the gradients' send copy) is in host memory."""
         host = 0

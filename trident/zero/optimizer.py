@@ -385,6 +385,13 @@ class ZeroOptimizer(LocalStep):
             states += self.placement.placement(pg.masters, self.dtype != torch.float32)["device"]
         return {"parameters": params, "gradients": grads, "optimizer_states": states}
 
+    def frozen_bytes(self) -> int:
+        """Frozen parameters held whole (stages 1-2) or as this rank's shards (stage 3, on the device)."""
+        whole = sum(p.numel() * p.element_size() for p in self.frozen)
+        on_device = self.cfg.offload_param.device == "none"
+        return whole + sum(pg.partition.numel() * pg.partition.element_size() for pg in self.groups
+                           if pg.opt_group < 0 and pg.partition is not None and on_device)
+
     def placement_bytes(self) -> dict[str, int]:
         """Bytes of this rank's model states in device memory, host memory and on NVMe."""
         where = {"device": sum(self.memory_breakdown().values()), "host": 0, "nvme": 0}
