@@ -4,7 +4,7 @@ Export: a tiny transformers Llama trains with the config's `lora` section on 2 r
 ZeRO-3); `engine.save_adapters` writes peft's files, and `PeftModel.from_pretrained` on a fresh
 base gives the logits of the trained trident model (its consolidated weights in one process).
 Under tp 2 the reference GPT's exported adapters equal the serial LoRA run's (the reference of
-tests/parity/test_lora_equivalence.py). A peft-wrapped Llama under ZeRO 1-3 (and GPT-2, with its
+tests/parity/test_lora_equivalence.py). A peft-wrapped Llama under DP and ZeRO 1-3 (and GPT-2, with its
 Conv1D and tied embeddings, under ZeRO-2) trains to the losses, gradient norms and adapters of the
 same peft model in one process, its base untouched.
 """
@@ -227,7 +227,7 @@ def train_peft_model(kind: str, stage: int):
     return dict(losses=losses, norms=norms, weights=weights, start=start, memory=engine.memory_breakdown())
 
 
-@pytest.mark.parametrize("kind,stage", [("llama", 1), ("llama", 2), ("llama", 3), ("gpt2", 2)])
+@pytest.mark.parametrize("kind,stage", [("llama", 0), ("llama", 1), ("llama", 2), ("llama", 3), ("gpt2", 2)])
 def test_peft_model_under_zero_trains_like_one_process(kind, stage):
     factory, per_block, clip = PEFT_MODELS[kind]
     batches = [(b,) for b in make_tokens().split(GLOBAL)]
