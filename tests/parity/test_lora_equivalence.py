@@ -39,12 +39,13 @@ def adapter_numel() -> int:
 
 def train_lora(zero: dict, tp: int, extra: dict | None = None):
     mesh = cached_mesh(tp=tp)
+    sequence_parallel = zero.pop("sequence_parallel", False)
     base = dp.make_model()
     start = {k: v.clone() for k, v in base.state_dict().items()}
     cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 0, "gradient_clipping": CLIP, "seed": SEED,
            "optimizer": optimizer_section("sgd", LR), "comms_logger": {"enabled": True}, "lora": LORA,
            "zero_optimization": {"reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0, **zero},
-           "tensor_parallel": {"size": tp}, **(extra or {})}
+           "tensor_parallel": {"size": tp, "sequence_parallel": sequence_parallel}, **(extra or {})}
     engine, *_ = trident.initialize(model=base, config=cfg, mesh=mesh)
     engine.comms_logger.reset()
     losses, norms = dp.train_steps(engine, mesh, 4, 1)
@@ -64,6 +65,7 @@ LAYOUTS = {
     "dp2-zero3": ({"stage": 3}, 1, 2),
     "tp2": ({"stage": 0}, 2, 2),
     "dp2-tp2-zero1": ({"stage": 1}, 2, 4),
+    "tp2-sp": ({"stage": 0, "sequence_parallel": True}, 2, 2),  # adapters on sequence shards
 }
 
 

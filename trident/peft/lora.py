@@ -17,6 +17,11 @@ the base layer's local output, and the result equals LoRA on the unsplit layer.
         forward: h = sum over tp of A_local x_local (`reduce_from_tp_region`: all-reduce
         forward, identity backward), then B h, added after the base layer's own sum.
 
+With sequence parallelism the base layers trade sequence shards for whole sequences; the
+adapter follows them. Column: h = A x on the gathered sequence, each rank's dL/dA is partial
+(its B slice), so A's gradient is summed over tp. Row: the partial A x is reduce-scattered to
+this rank's sequence shard, so B sees a shard and its gradient is summed over tp.
+
 Weights are initialised whole from the seed and then sliced, so a tp run starts from the
 serial run's adapters. `init="gaussian"` draws A from N(0, 1/r); `init="pissa"` puts the base
 weight's top-r singular directions into A and B (scaled by the square root of the singular values
@@ -34,8 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trident.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, set_tp_attributes
-from trident.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+from trident.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel,
+                                            set_tp_attributes)
+from trident.tensor_parallel.mappings import (SEQUENCE_DIM, copy_to_tp_region, gather_from_sequence_parallel_region,
+                                              reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region)
 
 INITS = ("default", "gaussian", "pissa")
 BIASES = ("none", "lora_only", "all")
@@ -60,11 +67,15 @@ class LoRALinear(nn.Module):
             self.lora_A = nn.Parameter(full_a.to(weight_dtype))
             self.lora_B = nn.Parameter(spec.shard(full_b, base.tp_rank).to(weight_dtype))
             set_tp_attributes(self.lora_B, spec)
+            if base.sequence_parallel:
+                mark_sequence_parallel(self.lora_A, base, base.logger)
         elif self.split == "row":
             spec = base.spec  # A's columns follow the base weight's columns
             self.lora_A = nn.Parameter(spec.shard(full_a, base.tp_rank).to(weight_dtype))
             set_tp_attributes(self.lora_A, spec)
             self.lora_B = nn.Parameter(full_b.to(weight_dtype))
+            if base.sequence_parallel:
+                mark_sequence_parallel(self.lora_B, base, base.logger)
         else:
             self.lora_A = nn.Parameter(full_a.to(weight_dtype))
             self.lora_B = nn.Parameter(full_b.to(weight_dtype))
@@ -97,12 +108,18 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         x = self.dropout(x)
-        if self.split == "column":
-            h = copy_to_tp_region(F.linear(x, self.lora_A), self.base.tp_group, self.base.logger)
+        base = self.base
+        if self.split == "column" and base.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, base.tp_group, base.logger, SEQUENCE_DIM)
+            h = F.linear(x, self.lora_A)  # dL/dh is partial here: A's gradient is summed over tp
+        elif self.split == "column":
+            h = copy_to_tp_region(F.linear(x, self.lora_A), base.tp_group, base.logger)
         elif self.split == "row":
-            if not self.base.input_is_parallel:
+            if not base.input_is_parallel:
                 raise ValueError("LoRA on a RowParallelLinear with input_is_parallel=False is not supported")
-            h = reduce_from_tp_region(F.linear(x, self.lora_A), self.base.tp_group, self.base.logger)
+            partial = F.linear(x, self.lora_A)
+            h = (reduce_scatter_to_sequence_parallel_region(partial, base.tp_group, base.logger, SEQUENCE_DIM)
+                 if base.sequence_parallel else reduce_from_tp_region(partial, base.tp_group, base.logger))
         else:
             h = F.linear(x, self.lora_A)
         return y + self.scaling * F.linear(h, self.lora_B)
@@ -158,9 +175,10 @@ def apply_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float
     if wrong:
         raise ValueError(f"lora.target_modules: LoRA wraps linear layers (nn.Linear, ColumnParallelLinear, "
                          f"RowParallelLinear); {wrong[0][0]!r} is a {wrong[0][1]}. Narrow the pattern")
-    if any(getattr(m, "sequence_parallel", False) for _, m in targets):
-        raise ValueError("LoRA with tensor_parallel.sequence_parallel is not supported yet; turn sequence "
-                         "parallelism off for LoRA fine-tuning")
+    if dropout > 0 and any(getattr(m, "sequence_parallel", False) for _, m in targets):
+        raise ValueError(f"lora.dropout = {dropout} with tensor_parallel.sequence_parallel: the adapter's input "
+                         "dropout would draw per sequence shard; set lora.dropout to 0 or turn sequence "
+                         "parallelism off")
     for p in model.parameters():
         p.requires_grad_(False)
     for name, module in targets:
