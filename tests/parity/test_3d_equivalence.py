@@ -18,7 +18,7 @@ from trident.checkpointing import activation
 from trident.models.gpt import GPTConfig
 from trident.models.gpt_pipe import gpt_pipe, gpt_shard_specs, gpt_state_dict, load_gpt_state_dict
 from trident.testing.distributed import cached_mesh, run_on_ranks
-from tests.parity.test_pp_equivalence import OPT_LR, SGD_CLIP, MODEL, make_gpt, make_tokens
+from tests.parity.test_pp_equivalence import OPT_LR, SGD_CLIP, MODEL, make_gpt, make_tokens, pipe_steps
 from trident.testing.parity import optimizer_section, precision_sections
 from tests.parity.test_pp_equivalence import check as pp_check
 
@@ -51,14 +51,7 @@ def train_3d(pp: int, tp: int, sequence_parallel: bool, recompute: bool, optimiz
         **precision_sections(precision),
     }
     engine, *_ = trident.initialize(model=pipe, config=config, mesh=mesh)
-    data = make_tokens(GLOBAL)
-    losses, norms = [], []
-    for step in range(STEPS):
-        first = step * GLOBAL + mesh.dp_rank * MICRO * gas
-        mine = data[first:first + MICRO * gas]
-        micro = [(mine[k:k + MICRO, :-1], mine[k:k + MICRO, 1:]) for k in range(0, len(mine), MICRO)]
-        losses.append(float(engine.train_batch(iter(micro))))
-        norms.append(engine.get_global_grad_norm())
+    losses, norms = pipe_steps(engine, mesh, make_tokens(GLOBAL), STEPS, MICRO, GLOBAL)
     weights = {k: v.detach().float().clone() for k, v in gpt_state_dict(pipe, cfg).items()}
     specs = gpt_shard_specs(pipe, cfg)
     partitioned = activation.settings_of(pipe).partition_group is not None

@@ -135,20 +135,9 @@ def train_pipe(pp_size: int, tp: int, zero_stage: int):
     for n, p in pipe.named_parameters():
         p.requires_grad_(n not in names)
     gas = 8 // (pp.MICRO * mesh.dp_size)
-    config = {"train_micro_batch_size_per_gpu": pp.MICRO, "gradient_accumulation_steps": gas,
-              "optimizer": optimizer_section("sgd", LR), "gradient_clipping": CLIP, "steps_per_print": 0,
-              "zero_optimization": {"stage": zero_stage},
-              "pipeline": {"stages": pp_size, "schedule": "1f1b", "partition_method": "uniform"},
-              "tensor_parallel": {"size": tp}}
-    engine, *_ = trident.initialize(model=pipe, config=config, mesh=mesh)
-    data = pp.make_tokens(8)
-    losses, norms = [], []
-    for step in range(pp.STEPS):
-        first = step * 8 + mesh.dp_rank * pp.MICRO * gas
-        mine = data[first:first + pp.MICRO * gas]
-        micro = [(mine[k:k + pp.MICRO, :-1], mine[k:k + pp.MICRO, 1:]) for k in range(0, len(mine), pp.MICRO)]
-        losses.append(float(engine.train_batch(iter(micro))))
-        norms.append(engine.get_global_grad_norm())
+    engine, *_ = trident.initialize(model=pipe, config=pp.sgd_pipe_config(pp_size, tp, zero_stage, gas, LR, CLIP),
+                                    mesh=mesh)
+    losses, norms = pp.pipe_steps(engine, mesh, pp.make_tokens(8), pp.STEPS, pp.MICRO, 8)
     weights = {k: v.detach().float().clone() for k, v in gpt_state_dict(pipe, cfg).items()}
     trainable = sum(p.numel() for p in pipe.parameters() if p.requires_grad)
     return (losses, weights, gpt_shard_specs(pipe, cfg), (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), norms,

@@ -56,6 +56,28 @@ def serial_reference(global_batch: int, clip: float, steps: int = STEPS, optimiz
     return train_serial(make_gpt(), batches, optimizer, OPT_LR[optimizer], clip)
 
 
+def pipe_steps(engine, mesh, data: torch.Tensor, steps: int, micro: int, global_batch: int):
+    """`steps` train_batch calls, each on this dp rank's micro-batches of a global batch of
+    `data` rows; the per-step losses and global gradient norms."""
+    per_rank = global_batch // mesh.dp_size
+    losses, norms = [], []
+    for step in range(steps):
+        mine = data[step * global_batch + mesh.dp_rank * per_rank:][:per_rank]
+        batches = [(mine[k:k + micro, :-1], mine[k:k + micro, 1:]) for k in range(0, per_rank, micro)]
+        losses.append(float(engine.train_batch(iter(batches))))
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms
+
+
+def sgd_pipe_config(pp: int, tp: int, zero_stage: int, micro_batches: int, lr: float, clip: float) -> dict:
+    """A 1F1B pipeline config with SGD + momentum and clipping (frozen and LoRA parity runs)."""
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": micro_batches,
+            "optimizer": optimizer_section("sgd", lr), "gradient_clipping": clip, "steps_per_print": 0,
+            "zero_optimization": {"stage": zero_stage},
+            "pipeline": {"stages": pp, "schedule": "1f1b", "partition_method": "uniform"},
+            "tensor_parallel": {"size": tp}}
+
+
 def pipeline_engine(model, config: dict, mesh) -> PipelineEngine:
     """trident.initialize on a PipelineModule returns a PipelineEngine."""
     engine, *_ = trident.initialize(model=model, config=config, mesh=mesh)
@@ -89,14 +111,7 @@ def train_pp(pp: int, schedule: str, v: int, micro_batches: int, clip: float, ze
     }
     engine = pipeline_engine(pipe, config, mesh)
     global_batch = MICRO * micro_batches * mesh.dp_size
-    data = make_tokens(global_batch)
-    losses, norms = [], []
-    for step in range(STEPS):
-        start = step * global_batch + mesh.dp_rank * MICRO * micro_batches
-        mine = data[start:start + MICRO * micro_batches]
-        micro = [(mine[k:k + MICRO, :-1], mine[k:k + MICRO, 1:]) for k in range(0, len(mine), MICRO)]
-        losses.append(float(engine.train_batch(iter(micro))))
-        norms.append(engine.get_global_grad_norm())
+    losses, norms = pipe_steps(engine, mesh, make_tokens(global_batch), STEPS, MICRO, global_batch)
     assert engine.global_steps == STEPS and engine.micro_steps == STEPS * micro_batches
     weights = {k: v.detach().float().clone() for k, v in gpt_state_dict(pipe, cfg).items()}
     return losses, weights, gpt_shard_specs(pipe, cfg), (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), norms

@@ -18,7 +18,7 @@ from trident.models.gpt import GPT, GPTConfig
 from trident.models.gpt_pipe import gpt_pipe, gpt_shard_specs, gpt_state_dict, load_gpt_state_dict
 from trident.tensor_parallel import merge_state_dicts
 from trident.testing.distributed import cached_mesh, run_on_ranks
-from tests.parity.test_pp_equivalence import OPT_LR, SGD_CLIP, MODEL, check, make_gpt, make_tokens
+from tests.parity.test_pp_equivalence import OPT_LR, SGD_CLIP, MODEL, check, make_gpt, make_tokens, pipe_steps
 from trident.testing.parity import optimizer_section
 
 STEPS = 6
@@ -49,12 +49,7 @@ def train_pp_tp(pp: int, tp: int, sequence_parallel: bool, optimizer: str = "ada
         "tensor_parallel": {"size": tp, "sequence_parallel": sequence_parallel},
     }
     engine, *_ = trident.initialize(model=pipe, config=config, mesh=mesh)
-    losses, norms = [], []
-    for step in range(STEPS):
-        mine = data[step * MICRO * MICRO_BATCHES:(step + 1) * MICRO * MICRO_BATCHES]
-        micro = [(mine[k:k + MICRO, :-1], mine[k:k + MICRO, 1:]) for k in range(0, len(mine), MICRO)]
-        losses.append(float(engine.train_batch(iter(micro))))
-        norms.append(engine.get_global_grad_norm())
+    losses, norms = pipe_steps(engine, mesh, data, STEPS, MICRO, MICRO * MICRO_BATCHES)  # dp = 1
     weights = {k: v.detach().float().clone() for k, v in gpt_state_dict(pipe, cfg).items()}
     specs = gpt_shard_specs(pipe, cfg)
     return losses, weights, specs, (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), norms, sent
