@@ -66,6 +66,13 @@ def consolidate(checkpoint_dir: str | Path, out: str | Path, tag: str | None = N
     out = Path(out)
     if out.is_dir():
         out = out / "model_fp32.safetensors"
+    write_state_dict(state, out)
+    return out
+
+
+def write_state_dict(state: dict[str, torch.Tensor], out: Path) -> None:
+    """`state` to `out` atomically (a temporary file, then a rename): torch.save for .pt/.bin/.pth,
+    else safetensors with tied entries stored once."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     if out.suffix in (".pt", ".bin", ".pth"):
@@ -78,4 +85,3 @@ def consolidate(checkpoint_dir: str | Path, out: str | Path, tag: str | None = N
                 unique[k] = v.contiguous()
         save_file(unique, str(tmp))
     tmp.replace(out)
-    return out

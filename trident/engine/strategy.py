@@ -24,7 +24,8 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
-GradParts = list[tuple[Sequence[torch.Tensor], Sequence[dist.ProcessGroup]]]
+from trident.optim.clipping import Parts
+
 
 
 @runtime_checkable
@@ -79,7 +80,7 @@ class GradientStrategy(Protocol):
         learn it (a parameter-server worker without clipping). Local strategies build it from
         `grad_parts` and `optimizer_step` (`trident.optim.step.LocalStep`)."""
 
-    def grad_parts(self) -> GradParts:
+    def grad_parts(self) -> Parts:
         """The gradient pieces this rank holds, each with the groups across which ranks hold
         different pieces (each element counted exactly once: `trident.optim.clipping`)."""
 

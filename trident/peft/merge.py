@@ -104,7 +104,8 @@ def merge_lora_checkpoint(checkpoint_dir, out, tag: str | None = None,
     """Write a checkpoint's merged model to `out`/model.safetensors (atomically); returns the file
     and a one-line summary. `scaling` replaces alpha / r from the manifest (needed only where the
     manifest records none)."""
-    from trident.checkpointing.consolidate import checkpoint_folder, get_fp32_state_dict_from_zero_checkpoint
+    from trident.checkpointing.consolidate import (checkpoint_folder, get_fp32_state_dict_from_zero_checkpoint,
+                                                   write_state_dict)
     from trident.checkpointing.state import read_manifest
 
     folder = checkpoint_folder(checkpoint_dir, tag)
@@ -123,26 +124,10 @@ def merge_lora_checkpoint(checkpoint_dir, out, tag: str | None = None,
         scaling = record.scaling
     merged = merge_lora_state_dict(state, scaling)
     out_file = Path(out) / "model.safetensors"
-    _save_atomically(merged, out_file)
+    write_state_dict(merged, out_file)
     unique = {id(t): t.numel() for t in merged.values()}  # a tied tensor is written once
     origin = f"r={record.r}, alpha={record.alpha:g}, " if from_record else ""
     summary = (f"merged {len(paths)} LoRA layers ({origin}scaling {scaling:g}) into {out_file}: "
                f"{len(unique)} tensors, {sum(unique.values()):,} elements, fp32")
     return out_file, summary
 
-
-def _save_atomically(state: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors at `path` via a temporary file; tied aliases are stored once (safetensors
-    refuses shared tensors; the model's own tying restores them on load)."""
-    from safetensors.torch import save_file
-
-    seen: set[int] = set()
-    unique = {}
-    for k, v in state.items():
-        if id(v) not in seen:
-            seen.add(id(v))
-            unique[k] = v.contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(unique, str(tmp))
-    tmp.replace(path)
