@@ -40,6 +40,7 @@ from trident.comm import collectives
 from trident.comm.backend import init_distributed
 from trident.config import ConfigError, TridentConfig, load_config, resolve_batch
 from trident.parallel.mesh import ParallelMesh
+from trident.tensor_parallel.layers import gather_whole
 
 Factory = Callable[[TridentConfig], tuple]
 
@@ -178,9 +179,7 @@ def _whole(engine, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         t = local[name].float()
         spec = getattr(p, "tp_spec", None)
         if spec is not None and mesh.tp_size > 1:
-            shards = [torch.empty_like(t) for _ in range(mesh.tp_size)]
-            collectives.all_gather_list(shards, t.contiguous(), group=mesh.tp_group)
-            t = spec.merge(shards)
+            t = gather_whole(t, spec, mesh.tp_group)
         out[name] = t.clone()
     return out
 

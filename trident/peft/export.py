@@ -34,6 +34,7 @@ from torch import nn
 
 from trident.comm import collectives
 from trident.peft.lora import LoRALinear
+from trident.tensor_parallel.layers import gather_whole
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
@@ -234,8 +235,6 @@ def _whole_tensors(root: nn.Module, names: list[str], mesh) -> dict[str, torch.T
             if mesh is None or mesh.tp_size != spec.tp_size:
                 raise ValueError(f"save_adapters: {n!r} is a tensor-parallel slice; pass the engine so its tp ranks "
                                  "can merge the slices")
-            shards = [torch.empty_like(t) for _ in range(mesh.tp_size)]
-            collectives.all_gather_list(shards, t.contiguous(), group=mesh.tp_group)
-            t = spec.merge(shards)
+            t = gather_whole(t, spec, mesh.tp_group)
         out[n] = t
     return out

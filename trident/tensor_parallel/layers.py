@@ -52,6 +52,14 @@ def set_tp_attributes(param: nn.Parameter, spec: ShardSpec) -> None:
     param.tp_spec = spec
 
 
+def gather_whole(local: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole tensor from every tp rank's slice `local` (collective over `group`): all-gather,
+    then merge by `spec` (fused-block stride and vocabulary padding undone)."""
+    shards = [torch.empty_like(local) for _ in range(spec.tp_size)]
+    collectives.all_gather_list(shards, local.contiguous(), group=group)
+    return spec.merge(shards)
+
+
 def is_tp_split(param: torch.Tensor) -> bool:
     """True for a parameter split over the tp ranks, False for a replicated one."""
     return bool(getattr(param, "tensor_model_parallel", False))
