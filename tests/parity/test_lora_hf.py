@@ -13,6 +13,7 @@ import trident
 from trident.peft import apply_lora
 from trident.tensor_parallel import merge_state_dicts, shard_specs
 from trident.testing.distributed import cached_mesh, run_on_ranks
+from tests.distributed.test_lora_export import CausalLMLoss
 from trident.testing.parity import assert_losses_close, assert_norms_close, assert_state_close, optimizer_section, \
     train_serial
 
@@ -22,17 +23,6 @@ import transformers  # noqa: E402  (a dev dependency: pyproject [dev])
 STEPS, MICRO, SEED, LR, CLIP = 8, 4, 1234, 0.5, 0.05
 LORA = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                  "down_proj"]}
-
-
-class CausalLMLoss(torch.nn.Module):
-    """The transformers model as trident's engine calls it: model(x, y) -> scalar loss."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=x, labels=y).loss
 
 
 def make_llama() -> CausalLMLoss:
@@ -57,7 +47,7 @@ def train_tp(tp: int):
     data, losses, norms = tokens(), [], []
     for step in range(STEPS):
         batch = data[step * MICRO:(step + 1) * MICRO]
-        engine.backward(engine(batch, batch))
+        engine.backward(engine(batch))
         engine.step()
         losses.append(engine.last_loss)
         norms.append(engine.get_global_grad_norm())
@@ -68,7 +58,7 @@ def train_tp(tp: int):
 def test_lora_on_a_tp2_split_transformers_llama_matches_one_process():
     data = tokens()
     ref = train_serial(apply_lora(make_llama(), seed=SEED, **LORA),
-                       [(b, b) for b in data.split(MICRO)], "sgd", LR, CLIP)
+                       [(b,) for b in data.split(MICRO)], "sgd", LR, CLIP)
     assert max(ref.clip_coefs) < 1.0
     results = run_on_ranks(2, train_tp, 2)
     for losses, norms, _, _ in results:
