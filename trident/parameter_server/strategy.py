@@ -18,9 +18,11 @@ Where the `GradientStrategy` protocol (`trident.engine.strategy`) meets a remote
 
 - `step` owns the whole update. The optimizer and the schedule run on the servers, so the
   engine's `lr_scheduler` (a `RemoteSchedule` view) is not stepped, and `optimizer_step` is
-  refused. The norm it returns is None without clipping (nobody computes it), and also when it
-  is not finite: the servers apply every update (there is no overflow check here: fp16 is
-  refused), so a NaN must not read as a skipped step.
+  refused. Under fp16 (sync mode only) each push carries the loss scale; the servers unscale,
+  clip, and skip a round whose norm is not finite, and that non-finite norm is returned: the
+  engine's overflow signal. Otherwise the norm is None without clipping (nobody computes it),
+  and also when it is not finite: the servers applied that update, so a NaN must not read as a
+  skipped step.
 - `start_window` is the staleness wait above (the engine calls it on a window's first forward
   or backward).
 - The optimizer state and the fp32 parameters live on the servers: checkpoints go there
