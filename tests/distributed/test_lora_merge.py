@@ -27,7 +27,7 @@ from trident.peft.merge import merge_lora_state_dict
 from trident.tensor_parallel import merge_state_dicts, shard_specs
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import assert_losses_close, assert_state_close
-from tests.distributed.test_reshard import train_range
+from tests.parity.test_dp_equivalence import train_range
 
 # Biases on, so the base bias moves back to `<path>.bias`; an odd vocabulary, padded under tp.
 MODEL = dict(vocab_size=61, seq_len=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
@@ -75,7 +75,7 @@ def run(dp: int, tp: int, zero: int, root: str | None, mode: str, lora: dict | N
         engine.load_checkpoint(root)
         assert engine.global_steps == SAVE_AT
     first, last = {"save": (0, SAVE_AT), "resume": (SAVE_AT, STEPS), "straight": (0, STEPS)}[mode]
-    losses = train_range(engine, mesh, make_tokens(), first, last, MICRO, GLOBAL)
+    losses, _ = train_range(engine, mesh, make_tokens(), first, last, MICRO, GLOBAL)
     if mode == "save":
         engine.save_checkpoint(root)
     weights = {k: v.float() for k, v in engine.consolidated_state_dict().items()}

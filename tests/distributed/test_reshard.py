@@ -24,6 +24,7 @@ from trident.tensor_parallel import merge_state_dicts, shard_specs
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import assert_losses_close, assert_state_close
 from tests.parity.test_pp_equivalence import MODEL, make_gpt, make_tokens
+from tests.parity.test_dp_equivalence import train_range
 
 MICRO, GLOBAL, SAVE_AT, STEPS = 2, 8, 5, 10
 
@@ -45,20 +46,6 @@ def _pipe_engine(layout):
     load_gpt_state_dict(pipe, make_gpt().state_dict(), cfg)
     engine, *_ = trident.initialize(model=pipe, config=_config(pp, dp, tp, zero), mesh=mesh)
     return engine, mesh
-
-
-def train_range(engine, mesh, data, first: int, last: int, micro: int, global_batch: int) -> list[float]:
-    """Optimizer steps first..last-1, each on this dp rank's micro-batches of a global batch."""
-    gas = global_batch // (micro * mesh.dp_size)
-    losses = []
-    for step in range(first, last):
-        for k in range(gas):
-            start = step * global_batch + (mesh.dp_rank * gas + k) * micro
-            batch = data[start:start + micro]
-            engine.backward(engine(batch[:, :-1], batch[:, 1:]))
-            engine.step()
-        losses.append(engine.last_loss)
-    return losses
 
 
 def _pipe_steps(engine, mesh, start: int, stop: int) -> list[float]:
@@ -170,7 +157,7 @@ def gpt_run(dp: int, tp: int, zero: int, root: str | None, mode: str):
     if mode == "resume":
         engine.load_checkpoint(root)
     first, last = {"save": (0, SAVE_AT), "resume": (SAVE_AT, STEPS), "straight": (0, STEPS)}[mode]
-    losses = train_range(engine, mesh, make_tokens(GLOBAL), first, last, MICRO, GLOBAL)
+    losses, _ = train_range(engine, mesh, make_tokens(GLOBAL), first, last, MICRO, GLOBAL)
     if mode == "save":
         engine.save_checkpoint(root)
     losses = losses[SAVE_AT:] if mode == "straight" else losses

@@ -71,9 +71,17 @@ def train_steps(engine, mesh, micro: int, gas: int) -> tuple[list[float], list[f
     """STEPS optimizer steps on this rank's share of each global batch; the per-step losses and
     global gradient norms."""
     global_batch = micro * gas * mesh.dp_size
-    data = make_tokens(global_batch)
+    losses, norms = train_range(engine, mesh, make_tokens(global_batch), 0, STEPS, micro, global_batch)
+    assert engine.global_steps == STEPS
+    return losses, norms
+
+
+def train_range(engine, mesh, data, first: int, last: int, micro: int, global_batch: int):
+    """Optimizer steps first..last-1, each on this dp rank's micro-batches of a global batch of
+    `data` rows; the per-step losses and global gradient norms."""
+    gas = global_batch // (micro * mesh.dp_size)
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(first, last):
         for k in range(gas):
             start = step * global_batch + (mesh.dp_rank * gas + k) * micro
             batch = data[start:start + micro]
@@ -81,7 +89,6 @@ def train_steps(engine, mesh, micro: int, gas: int) -> tuple[list[float], list[f
             engine.step()
         losses.append(engine.last_loss)
         norms.append(engine.get_global_grad_norm())
-    assert engine.global_steps == STEPS
     return losses, norms
 
 
