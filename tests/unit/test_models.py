@@ -143,3 +143,18 @@ def test_tiny_mlp_and_regression_data():
         model(x, y).backward()
         opt.step()
     assert model(x, y).item() < first / 2  # the data has a learnable signal
+
+
+def test_packed_documents_match_unpacked():
+    """Two documents packed in one row with restarting positions and a document mask give the
+    logits and gradients of each document run alone."""
+    from trident.models.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, seq_len=16, n_layer=2, n_head=2, d_model=32))
+    a, b = torch.randint(0, 50, (1, 7)), torch.randint(0, 50, (1, 9))
+    packed = torch.cat([a, b], dim=1)
+    positions = torch.cat([torch.arange(7), torch.arange(9)]).unsqueeze(0)
+    docs = torch.cat([torch.zeros(7, dtype=torch.long), torch.ones(9, dtype=torch.long)]).unsqueeze(0)
+    logits = model(packed, position_ids=positions, doc_ids=docs)
+    torch.testing.assert_close(logits[:, :7], model(a), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits[:, 7:], model(b), rtol=1e-5, atol=1e-6)

@@ -94,11 +94,12 @@ class Embedding(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.seq_shard: tuple[int, int] | None = None
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` [B, T] (packed documents restart at 0); None = 0..T-1 for every row."""
+        positions = torch.arange(idx.shape[1], device=idx.device) if position_ids is None else position_ids
         if self.seq_shard is not None:
             rank, size = self.seq_shard
-            positions = positions.chunk(size)[rank]
+            positions = positions.chunk(size, dim=-1)[rank]
         return self.drop(self.wte(idx) + self.wpe(positions))
 
 
@@ -122,21 +123,29 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.head_rng: list[torch.Generator] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`doc_ids` [B, T]: the document of each position of a packed sequence; a query then
+        attends only to earlier positions of its own document. None = one document per row."""
         q, k, v = self.split_heads(self.qkv(x))
         p = self.attn_dropout if self.training else 0.0
         if self.head_rng is not None and p > 0:
-            y = self.attend_with_head_dropout(q, k, v, p)
-        else:
+            y = self.attend_with_head_dropout(q, k, v, p, doc_ids)
+        elif doc_ids is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(doc_ids), dropout_p=p)
         return self.resid_drop(self.proj(self.merge_heads(y)))
 
-    def attend_with_head_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    def attend_with_head_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
+                                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Causal softmax attention whose dropout mask for head h comes from `head_rng[h]`."""
         t = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-        future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-        att = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        if doc_ids is None:
+            hidden = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+        else:
+            hidden = ~document_causal_mask(doc_ids)
+        att = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
         att = att * unit_dropout_mask(att.shape, 1, self.head_rng, p, dtype=att.dtype, device=att.device)
         return att @ v
 
@@ -152,6 +161,15 @@ class CausalSelfAttention(nn.Module):
         """[B, heads, T, hd] -> [B, T, heads * hd]."""
         b, h, t, hd = y.shape
         return y.transpose(1, 2).reshape(b, t, h * hd)
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] document ids -> [B, 1, T, T] bool mask, True where query i may attend key j:
+    j <= i and both in the same document (block-diagonal causal attention of packed sequences)."""
+    t = doc_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)
+    return (same & causal).unsqueeze(1)
 
 
 class MLP(nn.Module):
@@ -178,8 +196,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), doc_ids)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -280,17 +298,23 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(param, mean=0.0, std=self.config.init_std)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """idx [B, T] token ids -> logits [B, T, V], or the mean cross-entropy if `targets`."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """idx [B, T] token ids -> logits [B, T, V], or the mean cross-entropy if `targets`.
+
+        Packed sequences pass `position_ids` (restarting at 0 in each document) and `doc_ids`
+        (blocking attention across documents); targets that cross a document boundary should
+        be -100 so the loss ignores them. Then a packed row trains exactly like its documents
+        run one by one."""
         if idx.shape[1] > self.config.seq_len:
             raise ValueError(f"input has {idx.shape[1]} tokens but the model's seq_len is "
                              f"{self.config.seq_len}; truncate the input or build a longer model")
         if self.sequence_parallel and idx.shape[1] % self.tp.size:
             raise ValueError(f"input has {idx.shape[1]} tokens, not divisible by tp={self.tp.size}; "
                              f"sequence parallelism splits the sequence evenly, so pad or truncate the input")
-        x = self.embed(idx)
+        x = self.embed(idx, position_ids)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if doc_ids is None else block(x, doc_ids)
         logits = self.lm_head(self.ln_f(x))
         if self.tp is None:
             return logits if targets is None else self.loss(logits, targets)
