@@ -23,6 +23,7 @@ reachable from Python at that moment (buckets and other buffers included).
 DeepSpeed runs only when importable (see bench/ZERO.md for its CPU install); FSDP2 only at stage 3.
 
     python bench/zero_vs_peers.py [--world 2 4] [--stages 1 2 3] [--repeats 3] [--steps 8] [--quick]
+                                  [--model gpt | llama-hf]
 """
 
 from __future__ import annotations
@@ -48,6 +49,40 @@ import torch.multiprocessing as mp
 from _common import build_gpt, free_port, peak_rss_bytes, rotated, start_rank, timed_steps, token_batches
 
 MODEL = dict(vocab_size=4096, seq_len=128, n_layer=4, n_head=4, d_model=256)
+# `--model llama-hf`: an unmodified transformers LlamaForCausalLM of about 50M parameters
+# (grouped-query attention, untied head), the Hugging Face issue's benchmark model.
+LLAMA = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
+             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128)
+SEQ_LEN = 128
+
+
+class CausalLM(torch.nn.Module):
+    """The transformers model unchanged inside; (tokens, next tokens) -> mean cross-entropy, as
+    the reference GPT's forward gives it, so every system runs the same loop."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=idx).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build_model(name: str) -> torch.nn.Module:
+    """The benchmark model, seed 0, so every system starts from the same weights."""
+    if name == "gpt":
+        return build_gpt(MODEL)
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**LLAMA)
+    config._attn_implementation = "sdpa"
+    return CausalLM(transformers.LlamaForCausalLM(config).float())
+
+
+def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks FSDP2 wraps one by one."""
+    return list(model.lm.model.layers) if isinstance(model, CausalLM) else list(model.blocks)
 MICRO = 4
 WARMUP = 3      # steps before the first timed repeat; later repeats re-warm with one step
 LR = 1e-4
@@ -171,7 +206,7 @@ def _fsdp2(model: torch.nn.Module, stage: int, world: int) -> System:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
+    for block in blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
@@ -194,7 +229,7 @@ SYSTEMS: dict[str, Callable[[torch.nn.Module, int, int], System]] = {
 
 
 def _worker(rank: int, world: int, port: int, system: str, stage: int, log_path: str,
-            commands, results) -> None:
+            commands, results, model_name: str = "gpt") -> None:
     """One rank of one system: build, report ready, then run the commands until None."""
     start_rank(rank, world, port)
     log = open(log_path, "w", buffering=1)
@@ -202,13 +237,14 @@ def _worker(rank: int, world: int, port: int, system: str, stage: int, log_path:
     os.dup2(log.fileno(), 2)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        model = build_gpt(MODEL)
+        model = build_model(model_name)
         backward, opt_step, breakdown = SYSTEMS[system](model, stage, world)
 
         def step(batch: torch.Tensor) -> None:
             backward(batch)
             opt_step()
-        batches = token_batches(rank, MODEL, MICRO)
+        vocab = MODEL["vocab_size"] if model_name == "gpt" else LLAMA["vocab_size"]
+        batches = token_batches(rank, {"vocab_size": vocab, "seq_len": MODEL["seq_len"]}, MICRO)
         results.put((rank, "ready"))
         while (command := commands.get()) is not None:
             if command == "memory":
@@ -229,14 +265,15 @@ def _worker(rank: int, world: int, port: int, system: str, stage: int, log_path:
 class Pool:
     """The ranks of one system at one (world, stage), kept alive across repeats."""
 
-    def __init__(self, ctx, system: str, stage: int, world: int, log_dir: str) -> None:
+    def __init__(self, ctx, system: str, stage: int, world: int, log_dir: str, model_name: str = "gpt") -> None:
         self.system, self.world = system, world
         port = free_port()
         self.logs = [os.path.join(log_dir, f"{system}-stage{stage}-world{world}-rank{r}.log") for r in range(world)]
         self.commands = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, world, port, system, stage, self.logs[r], self.commands[r], self.results))
+                                  args=(r, world, port, system, stage, self.logs[r], self.commands[r], self.results,
+                                        model_name))
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -341,13 +378,13 @@ def format_table(results: list[Result]) -> str:
 
 
 def run_stage(ctx, world: int, stage: int, systems: list[str], repeats: int, steps: int,
-              warmup: int, log_dir: str) -> list[Result]:
+              warmup: int, log_dir: str, model_name: str = "gpt") -> list[Result]:
     """All systems of one (world, stage): start their pools, interleave the repeats, measure."""
     pools: dict[str, Pool] = {}
     grace_s = 0.0  # on an error, end the ranks at once
     try:
         for s in systems:
-            pools[s] = Pool(ctx, s, stage, world, log_dir)
+            pools[s] = Pool(ctx, s, stage, world, log_dir, model_name)
         for pool in pools.values():
             pool.collect()
         timings: dict[str, list] = {s: [] for s in systems}
@@ -384,6 +421,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--model", choices=["gpt", "llama-hf"], default="gpt",
+                        help="the reference GPT, or an unmodified transformers LlamaForCausalLM of ~50M parameters")
     parser.add_argument("--quick", action="store_true",
                         help="check the harness: world 2, 1 repeat of 2 steps after 1 warm-up step")
     args = parser.parse_args(argv)
@@ -391,8 +430,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.world, args.repeats, args.steps, warmup = [2], 1, 2, 1
     missing = _peers_available()
-    n_params = sum(p.numel() for p in build_gpt(MODEL).parameters())
-    print(f"GPT {MODEL} ({n_params / 1e6:.2f}M params, {_mib(4 * n_params)} MiB in fp32), micro batch "
+    n_params = sum(p.numel() for p in build_model(args.model).parameters())
+    shape = f"GPT {MODEL}" if args.model == "gpt" else f"transformers LlamaForCausalLM {LLAMA}, seq {SEQ_LEN}"
+    print(f"{shape} ({n_params / 1e6:.2f}M params, {_mib(4 * n_params)} MiB in fp32), micro batch "
           f"{MICRO} per rank, fp32, AdamW, gloo, 1 thread/rank, ZeRO {ZERO_KEYS} (stage 3 also {STAGE3_KEYS}); {args.steps} timed steps "
           f"after {warmup} warm-up, {args.repeats} interleaved repeats", flush=True)
     for peer, why in missing.items():
@@ -405,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     for world in args.world:
         for stage in args.stages:
             systems = ["trident"] + [p for p in PEERS[stage] if p not in missing]
-            results += run_stage(ctx, world, stage, systems, args.repeats, args.steps, warmup, log_dir)
+            results += run_stage(ctx, world, stage, systems, args.repeats, args.steps, warmup, log_dir, args.model)
             print(f"world {world}, stage {stage} done ({time.monotonic() - start:.0f} s)", flush=True)
     shutil.rmtree(log_dir)
     print()

@@ -27,9 +27,11 @@ from trident import diagnostics
 from trident.comm import collectives
 from trident.comm.backend import init_distributed
 from trident.config import TridentConfig, load_config
-from trident.data.datasets import load_text_dataset
+from trident.data.build import build_loader, prepared_text_dir
 from trident.data.tokenizer import load_tokenizer
+from trident.engine.build import data_parallel_rank, data_parallel_size
 from trident.models.gpt import GPT, GPT_PRESETS, GPTConfig
+from trident.moe.parallel import moe_metrics
 from trident.monitor.log import format_bytes, logger
 from trident.monitor.plot import plot_metrics
 from trident.monitor.progress import ProgressBar
@@ -50,24 +52,33 @@ def gpt_config(cfg: TridentConfig, vocab_size: int) -> GPTConfig:
     if missing:
         raise ValueError(f"model: {', '.join(missing)} not set; give model.preset (one of "
                          f"{', '.join(GPT_PRESETS)}) or set them explicitly")
-    fields.update(dropout=m.dropout, bias=m.bias, tie_embeddings=m.tie_embeddings, vocab_size=vocab_size)
+    fields.update(dropout=m.dropout, bias=m.bias, tie_embeddings=m.tie_embeddings, vocab_size=vocab_size,
+                  moe=m.moe.model_dump() if m.moe is not None else None)
     return GPTConfig(**fields)
 
 
 def _run_dir(cfg: TridentConfig, mesh: ParallelMesh) -> Path:
     """Rank 0 picks the run folder name; every rank learns it."""
     name = [cfg.trainer.run_name or time.strftime("gpt-%Y%m%d-%H%M%S")]
-    collectives.broadcast_object_list(name, src=0, group=mesh.dp_group)
+    collectives.broadcast_object_list(name, src=0, group=mesh.mesh_group)
     return Path(cfg.trainer.run_dir) / name[0]
 
 
-def _batches(loader):
-    """Endless micro-batches; each pass over the data is a new epoch with a new shuffle."""
-    epoch = 0
-    while True:
-        loader.sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+def _data_paths(cfg: TridentConfig, tokenizer, env, mesh: ParallelMesh) -> list[str]:
+    """`data.paths`, or `data.dataset` prepared on first use (by local rank 0 while the others wait)."""
+    if cfg.data.paths is not None:
+        return list(cfg.data.paths)
+    text = None if cfg.data.dataset == "kjv" else cfg.data.dataset
+    if env.local_rank == 0:
+        prepared_text_dir(text, tokenizer)
+    collectives.barrier(group=mesh.mesh_group)
+    return [str(prepared_text_dir(text, tokenizer, create=False))]
+
+
+def _model_inputs(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(input ids, labels, keyword inputs) of a loader batch; packed rows add position and document ids."""
+    extra = {k: batch[k].to(device) for k in ("position_ids", "doc_ids") if k in batch}
+    return batch["input_ids"].to(device), batch["labels"].to(device), extra
 
 
 def _memory_report(engine, model_cfg: GPTConfig) -> str:
@@ -78,10 +89,12 @@ def _memory_report(engine, model_cfg: GPTConfig) -> str:
 
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(engine.compute_dtype, "fp32")
     stage, mesh = engine.strategy.zero_stage, engine.mesh
-    layout = Layout(dp=mesh.dp_size, tp=mesh.tp_size, pp=mesh.pp_size, zero_stage=stage,
-                    micro_batch=engine.train_micro_batch_size_per_gpu())
+    layout = Layout(dp=mesh.dp_size, tp=mesh.tp_size, pp=mesh.pp_size, ep=mesh.ep_size, zero_stage=stage,
+                    micro_batch=engine.train_micro_batch_size_per_gpu(), cp=mesh.cp_size)
+    cp = engine.config.context_parallel
     workload = Workload(seq_len=model_cfg.seq_len, global_batch=engine.train_batch_size(), precision=precision,
-                        optimizer="adamw", attention="eager", dropout=model_cfg.dropout > 0)
+                        optimizer="adamw", attention="eager", dropout=model_cfg.dropout > 0,
+                        cp_method=cp.method, cp_ulysses_size=cp.ulysses_size)
     est = estimate(model_from_gpt_config(model_cfg), layout, make_cluster("a100-80gb", mesh.world_size),
                    workload, trident_state_bytes(stage, precision, "adamw"))
     measured = engine.memory_breakdown()
@@ -98,14 +111,26 @@ def train(cfg: TridentConfig) -> Path:
                          "(see docs/parameter_server.md) and `trident launch`")
     env = init_distributed(timeout_s=cfg.distributed.timeout_s)
     diagnostics.preflight(cfg)
-    mesh = ParallelMesh.build(pp=1, tp=cfg.tensor_parallel.size, device_type=env.device.type)
+    mesh = ParallelMesh.build(pp=1, tp=cfg.tensor_parallel.size, cp=cfg.context_parallel.size,
+                              ep=cfg.expert_parallel.size, device_type=env.device.type)
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     model_cfg = gpt_config(cfg, tokenizer.get_vocab_size())
-    dataset = load_text_dataset(model_cfg.seq_len, path=None if cfg.data.dataset == "kjv" else cfg.data.dataset,
-                                tokenizer_path=cfg.data.tokenizer, val_fraction=cfg.data.val_fraction)
+    seq_len = cfg.data.seq_len or model_cfg.seq_len
+    if seq_len > model_cfg.seq_len:
+        raise ValueError(f"data.seq_len = {seq_len} exceeds the model's seq_len {model_cfg.seq_len}; lower "
+                         f"data.seq_len or raise model.seq_len")
+    paths = _data_paths(cfg, tokenizer, env, mesh)
     model = GPT(model_cfg).to(env.device)
-    engine, _, loader, _ = trident.initialize(model=model, config=cfg, training_data=dataset, mesh=mesh)
+    engine, _, _, _ = trident.initialize(model=model, config=cfg, mesh=mesh)
+    loader = build_loader(cfg.data, seq_len=seq_len, vocab_size=model_cfg.vocab_size,
+                          micro_batch_size=engine.train_micro_batch_size_per_gpu(), dp_rank=data_parallel_rank(mesh),
+                          dp_size=data_parallel_size(mesh), seed=cfg.seed if cfg.data.seed is None else cfg.data.seed,
+                          paths=paths, tokenizer=tokenizer)
+    engine.training_dataloader = loader  # the engine's periodic checkpoints record its position
+    resumed = (engine.resumed_client_state or {}).get("sampler")
+    if resumed is not None:
+        loader.load_state_dict(resumed)
     run_dir = _run_dir(cfg, mesh)
     is_writer = mesh.global_rank == 0
     if is_writer:
@@ -116,24 +141,30 @@ def train(cfg: TridentConfig) -> Path:
     tb = TensorBoardMonitor(str(run_dir), "tensorboard") if is_writer else None
     steps = cfg.trainer.train_steps
     bar = ProgressBar(steps, enabled=is_writer)
-    tokens_per_step = engine.train_batch_size() * model_cfg.seq_len
-    batches = _batches(loader)
     ckpt_dir = str(run_dir / "checkpoints")
-    for step in range(1, steps + 1):
+    metrics = {"loss": float("nan")}
+    for step in range(engine.global_steps + 1, steps + 1):
         start = time.perf_counter()
+        counts = torch.zeros(2)  # padding and input tokens of this rank's micro-batches
         for _ in range(engine.gradient_accumulation_steps()):
-            x, y = (t.to(env.device) for t in next(batches))
-            engine.backward(engine(x, y))
+            batch = next(loader)
+            counts += torch.tensor([batch["pad_tokens"], batch["tokens"]], dtype=torch.float32)
+            x, y, extra = _model_inputs(batch, env.device)
+            engine.backward(engine(x, y, **extra))
             engine.step()
+        collectives.all_reduce(counts, group=mesh.group("dp", "ep"))  # ep ranks see other samples
         loss = torch.tensor([engine.last_loss], dtype=torch.float32)
-        collectives.all_reduce(loss, group=mesh.dp_group)
+        collectives.all_reduce(loss, group=mesh.group("dp", "ep"))
         metrics = {
-            "loss": loss.item() / mesh.dp_size,
+            "loss": loss.item() / data_parallel_size(mesh),
             "lr": engine.get_lr()[0],
             "loss_scale": engine.loss_scale,
             "grad_norm": engine.get_global_grad_norm() or float("nan"),
-            "tokens_per_s": tokens_per_step / (time.perf_counter() - start),
+            "tokens_per_s": (counts[1] - counts[0]).item() / (time.perf_counter() - start),
+            **moe_metrics(engine.module),
         }
+        if cfg.data.packing or cfg.data.bucketing:
+            metrics["pad_share"] = (counts[0] / counts[1]).item()
         if step == 1 and is_writer:
             logger.info(_memory_report(engine, model_cfg))
         bar.update(step, metrics)
@@ -141,9 +172,10 @@ def train(cfg: TridentConfig) -> Path:
             csv.write_events([(k, v, step) for k, v in metrics.items()])
             tb.write_events([(f"train/{k}", v, step) for k, v in metrics.items()])
         if cfg.trainer.save_interval and step % cfg.trainer.save_interval == 0 and step != steps:
-            engine.save_checkpoint(ckpt_dir, client_state={"step": step, "sampler": loader.sampler.state_dict()})
+            engine.save_checkpoint(ckpt_dir, client_state={"step": step, "sampler": loader.state_dict()})
     bar.close()
-    engine.save_checkpoint(ckpt_dir, client_state={"step": steps, "sampler": loader.sampler.state_dict()})
+    loader.close()
+    engine.save_checkpoint(ckpt_dir, client_state={"step": steps, "sampler": loader.state_dict()})
     if cfg.comms_logger.enabled and is_writer:
         print(engine.comms_logger.summary())
     if is_writer:

@@ -113,5 +113,5 @@ def test_a_save_that_died_half_way_leaves_the_previous_checkpoint(saved, tmp_pat
     for message in run_on_ranks(1, try_load, (1, 1, 1, 0), str(root)):
         assert message == f"loaded step {SAVE_AT}"
     manifest = json.loads((root / f"global_step{SAVE_AT}" / "manifest.json").read_text())
-    assert manifest["layout"] == {"world_size": 4, "pp": 2, "dp": 1, "tp": 2, "zero_stage": 1}
+    assert manifest["layout"] == {"world_size": 4, "pp": 2, "dp": 1, "cp": 1, "tp": 2, "ep": 1, "zero_stage": 1}
     assert torch.load(root / f"global_step{SAVE_AT}" / "training_state.pt")["global_steps"] == SAVE_AT

@@ -42,13 +42,12 @@ CASES = [
     ("zero stage 7", {"zero_optimization": {"stage": 7}}, None,
      "zero_optimization.stage: expected one of 0, 1, 2, 3 (the ZeRO stage), got 7"),
     ("known but unimplemented ZeRO key", {"zero_optimization": {"stage": 1, "zero_quantized_weights": True}},
-     None, "zero_optimization.zero_quantized_weights: `zero_optimization.zero_quantized_weights` is a ZeRO "
-           "setting that this version of trident does not implement; remove it"),
+     None, "zero_optimization.zero_quantized_weights: true asks for ZeRO++ quantized weights (qwZ), which trident "
+           "does not implement; remove the key or switch it off"),
     ("optimizer offload without ZeRO", {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
      None, "offload_optimizer.device is 'cpu' but stage is 0; offload_optimizer needs stage >= 1"),
-    ("DeepSpeed-only top-level section", {"flops_profiler": {}}, None,
-     "flops_profiler: `flops_profiler` is a DeepSpeed setting that this version of trident "
-     "does not implement; remove it"),
+    ("DeepSpeed-only top-level section", {"flops_profiler": {"enabled": True}}, None,
+     "flops_profiler: {\"enabled\": true} asks for the FLOPs profiler, which trident does not implement"),
     ("unknown optimizer type", {"optimizer": {"type": "AdamX", "params": {}}}, None,
      "optimizer.type: unknown optimizer type 'AdamX'; did you mean 'Adam'? Allowed optimizer types: Adam, AdamW, "
      "SGD, Adagrad, Lion"),
@@ -89,12 +88,16 @@ CASES = [
     ("alias and new name together", {"bfloat16": {"enabled": True}, "bf16": {"enabled": True}}, None,
      "bfloat16: `bfloat16` is the old name of `bf16` and both are given; keep only the new one"),
     ("hf auto outside the batch keys", {"gradient_clipping": "auto"}, None,
-     "gradient_clipping: expected a non-negative number, got 'auto' (str); 0 disables clipping; \"auto\" is "
-     "accepted only for the three batch sizes"),
-    ("context parallelism not yet", {"context_parallel": {"size": 2}}, None,
-     "context_parallel.size: 2 is not supported yet (context parallelism is not implemented); set it to 1"),
-    ("expert parallelism not yet", {"expert_parallel": {"size": 4}}, None,
-     "expert_parallel.size: 4 is not supported yet (expert parallelism is not implemented); set it to 1"),
+     "gradient_clipping: \"auto\" is a Hugging Face placeholder still unfilled; it is filled from "
+     "TrainingArguments.max_grad_norm: call trident.config.fill_auto(config, training_args) first"),
+    ("hybrid context parallelism without ulysses_size", {"context_parallel": {"size": 4, "method": "hybrid"}}, None,
+     "context_parallel: method 'hybrid' needs ulysses_size dividing size=4, got None; Ulysses runs inside groups "
+     "of ulysses_size ranks and the ring across them"),
+    ("experts not divisible by ep", {"expert_parallel": {"size": 4}, "model": {"moe": {"num_experts": 6}}}, None,
+     "model.moe.num_experts: 6 is not divisible by expert_parallel.size=4; each ep rank holds num_experts / ep "
+     "experts, so choose a multiple of 4"),
+    ("moe k above experts", {"model": {"moe": {"num_experts": 2, "k": 3}}}, None,
+     "model.moe: k=3 is larger than num_experts=2; each token picks k distinct experts, so choose k <= num_experts"),
     ("unknown expert_parallel key", {"expert_parallel": {"num_experts": 8}}, None,
      "expert_parallel.num_experts: unknown key; remove it or fix the spelling. Allowed keys: size"),
     ("model type", {"model": {"type": "bert"}}, None, "model.type: expected one of 'gpt', got 'bert' (str)"),

@@ -65,7 +65,7 @@ class CheckpointReader:
         self.tensors: dict[str, dict] = self.manifest["tensors"]
         self.tied: dict[str, str] = self.manifest.get("tied", {})
         self._files: dict[str, Any] = {}
-        self._positions: dict[tuple[int, int], dict[str, ParamState]] = {}
+        self._positions: dict[tuple[int, int, int], dict[str, ParamState]] = {}
         self._param_groups: list[dict] | None = None
 
     # -- files -------------------------------------------------------------------------------
@@ -100,38 +100,42 @@ class CheckpointReader:
 
     # -- optimizer state per (pp, tp) position -------------------------------------------------
 
-    def _position(self, pp: int, tp: int) -> dict[str, ParamState]:
-        """Every parameter's tp-local state at one (pp, tp) position, from whatever files hold it."""
-        key = (pp, tp)
+    def _position(self, pp: int, tp: int, ep: int = 0) -> dict[str, ParamState]:
+        """Every parameter's tp-local state at one (pp, ep, tp) position, from whatever files hold it
+        (an ep position holds the dense parameters and its own experts)."""
+        stage = self.layout["zero_stage"]
+        key = (pp, tp, 0 if stage > 0 else ep)  # ZeRO: one position reads every ep rank's partitions
         if key not in self._positions:
-            stage = self.layout["zero_stage"]
-            optim = f"optim_pp{pp}_tp{tp}.pt"
+            optim = f"optim_pp{pp}{_ep_part(ep, self.layout)}_tp{tp}.pt"
             if stage > 0:
                 self._positions[key] = self._zero_position(pp, tp)
             elif optim in self.manifest["files"]:
-                self._positions[key] = self._replicated_position(pp, tp, self._pickle(optim))
+                self._positions[key] = self._replicated_position(pp, tp, self._pickle(optim), ep)
             else:
                 self._positions[key] = {}
         return self._positions[key]
 
     def _zero_position(self, pp: int, tp: int) -> dict[str, ParamState]:
         out: dict[str, ParamState] = {}
-        dp = self.layout["dp"]
-        for d in range(dp):
-            file = f"zero_pp{pp}_tp{tp}_dp{d}.pt"
-            part = self._pickle(file)
-            if part.get("dp_world_size") != dp or part.get("dp_rank") != d:
-                raise CheckpointError(f"{self.folder / file}: holds dp rank {part.get('dp_rank')} of "
-                                      f"{part.get('dp_world_size')}, expected {d} of {dp}; the checkpoint is "
-                                      "inconsistent")
-            self._param_groups = self._param_groups or part["optimizer"]["param_groups"]
-            opt_state = part["optimizer"]["state"]
-            for group, indices in zip(part["groups"], chunk_indices(part)):
-                _scatter_partition(out, group, [opt_state.get(i, {}) for i in indices], d)
-            del self._files[file]  # the pieces now live in `out`
+        dp = self.layout["dp"] * self.layout.get("cp", 1)  # ZeRO partitions over dp x cp (state.partition_index)
+        ep = self.layout.get("ep", 1)  # dense groups partition over dp x cp x ep, experts (own groups) over dp x cp
+        for e in range(ep):
+            for d in range(dp):
+                file = f"zero_pp{pp}{_ep_part(e, self.layout)}_tp{tp}_dp{d}.pt"
+                part = self._pickle(file)
+                if part.get("dp_world_size") != dp * ep or part.get("dp_rank") != d * ep + e:
+                    raise CheckpointError(f"{self.folder / file}: holds dp rank {part.get('dp_rank')} of "
+                                          f"{part.get('dp_world_size')}, expected {d * ep + e} of {dp * ep}; the "
+                                          "checkpoint is inconsistent")
+                self._param_groups = self._param_groups or part["optimizer"]["param_groups"]
+                opt_state = part["optimizer"]["state"]
+                for group, indices in zip(part["groups"], chunk_indices(part)):
+                    rank = group.get("rank", part["dp_rank"])  # expert groups: the rank in their own group
+                    _scatter_partition(out, group, [opt_state.get(i, {}) for i in indices], rank)
+                del self._files[file]  # the pieces now live in `out`
         return out
 
-    def _replicated_position(self, pp: int, tp: int, saved: dict) -> dict[str, ParamState]:
+    def _replicated_position(self, pp: int, tp: int, saved: dict, ep: int = 0) -> dict[str, ParamState]:
         if saved.get("format") == "named":  # written by `reshard`: already keyed by name
             self._param_groups = self._param_groups or saved["param_groups"]
             return {n: ParamState(p["master"], p["group"], dict(p["state"])) for n, p in saved["params"].items()}
@@ -142,7 +146,7 @@ class CheckpointReader:
         self._param_groups = self._param_groups or sd["param_groups"]
         copies = iter(saved["master_weights"])
         masters = {n: next(copies) for n, c in zip(saved["names"], saved["master_params_are_copies"]) if c}
-        model = self._tensors_of(_model_file(pp, tp, self.layout))
+        model = self._tensors_of(_model_file(pp, tp, self.layout, ep))
         out = {}
         for g, group in enumerate(sd["param_groups"]):
             for index in group["params"]:
@@ -157,7 +161,7 @@ class CheckpointReader:
         """The optimizer's param groups (hyperparameters; 'params' as saved)."""
         if self._param_groups is None:
             for shard in next(iter(self.tensors.values()))["shards"]:
-                self._position(shard["pp"], shard["tp"])
+                self._position(shard["pp"], shard["tp"], shard.get("ep", 0))
         return self._param_groups or []
 
     def param_state(self, name: str) -> ParamState | None:
@@ -165,13 +169,14 @@ class CheckpointReader:
         name = self.tied.get(name, name)
         entry = self.entry(name)
         for pp in sorted({s["pp"] for s in entry["shards"]}):
-            local = self._position(pp, 0).get(name)
+            ep = min(s.get("ep", 0) for s in entry["shards"] if s["pp"] == pp)  # dense: in every ep file
+            local = self._position(pp, 0, ep).get(name)
             if local is None:
                 continue  # a stage holding a tied copy, not the parameter
             spec = self.spec(name)
             if spec is None or self.layout["tp"] == 1:
                 return local
-            parts = [local] + [self._position(pp, t)[name] for t in range(1, self.layout["tp"])]
+            parts = [local] + [self._position(pp, t, ep)[name] for t in range(1, self.layout["tp"])]
             merged = ParamState(spec.merge([p.master for p in parts]), local.group, dict(local.state))
             for key in local.per_element():
                 merged.state[key] = spec.merge([p.state[key] for p in parts])
@@ -187,8 +192,8 @@ class CheckpointReader:
         spec = self.spec(name)
         if spec is None or self.layout["tp"] == 1:
             return self._tensors_of(shards[0]["file"])[name]
-        pp = shards[0]["pp"]
-        by_tp = {s["tp"]: s["file"] for s in shards if s["pp"] == pp}
+        pp, ep = shards[0]["pp"], shards[0].get("ep", 0)
+        by_tp = {s["tp"]: s["file"] for s in shards if s["pp"] == pp and s.get("ep", 0) == ep}
         return spec.merge([self._tensors_of(by_tp[t])[name] for t in range(self.layout["tp"])])
 
     def value(self, name: str) -> torch.Tensor:
@@ -203,10 +208,15 @@ class CheckpointReader:
         return saved
 
 
-def _model_file(pp: int, tp: int, layout: dict) -> str:
-    if layout["pp"] == 1 and layout["tp"] == 1:
+def _model_file(pp: int, tp: int, layout: dict, ep: int = 0) -> str:
+    if layout["pp"] == 1 and layout["tp"] == 1 and layout.get("ep", 1) == 1:
         return "model.safetensors"
-    return f"model_pp{pp}_tp{tp}.safetensors"
+    return f"model_pp{pp}{_ep_part(ep, layout)}_tp{tp}.safetensors"
+
+
+def _ep_part(ep: int, layout: dict) -> str:
+    """`_ep<E>` in the file names of a checkpoint written with ep > 1 (trident.checkpointing.state)."""
+    return f"_ep{ep}" if layout.get("ep", 1) > 1 else ""
 
 
 def _scatter_partition(out: dict[str, ParamState], group: dict, chunk_states: list[dict], rank: int) -> None:

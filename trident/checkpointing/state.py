@@ -8,6 +8,9 @@ Layout of `save_dir/<tag>/`:
   optim_pp<P>_tp<T>.pt    stage 0: optimizer state and fp32 masters (data-parallel rank 0)
   zero_pp<P>_tp<T>_dp<D>.pt   ZeRO stages 1-3: each rank's partition (its layout, fp32 master
                           shards and the optimizer state over them), written by that rank
+  (with expert parallelism, ep > 1, every ep rank holds other experts: the names above gain
+  `_ep<E>` after the pp part, and each ep rank's files hold the dense tensors and its experts,
+  keyed by global expert index, so any ep size can read them)
   training_state.pt       step counters, scheduler, loss scaler (shared by all ranks)
   client_state.pt         the caller's `client_state` dict (arbitrary picklable objects)
   rng_rank<R>.pt          every rank's RNG states, so dropout resumes exactly
@@ -73,6 +76,16 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _with_data_position(engine, client_state: dict) -> dict:
+    """`client_state` plus the training loader's position under "sampler" when the caller gave
+    none, so every checkpoint of an engine with a loader resumes the data exactly (the position
+    is global: rank 0's is every rank's)."""
+    sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
+    if "sampler" in client_state or not hasattr(sampler, "state_dict"):
+        return client_state
+    return {**client_state, "sampler": sampler.state_dict()}
+
+
 def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, save_latest: bool) -> str:
     """Write one checkpoint of `engine`; returns the final checkpoint folder."""
     tag = tag or f"global_step{engine.global_steps}"
@@ -97,7 +110,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
     write(f"rng_rank{rank}.pt", _rng_state())
     if per_rank:  # every rank: its own partition
         write(zero_file(engine.mesh), engine.strategy.state_dict())
-    if engine.mesh.dp_rank == 0:  # one replica per (pp, tp) position writes what the replicas share
+    if partition_index(engine.mesh) == 0:  # one replica per (pp, tp) position writes what replicas share
         model = model_file(engine.mesh)
         write(model, safetensors_bytes(_model_tensors(engine)))
         tensors = _tensor_entries(engine, model)
@@ -105,7 +118,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
             write(optim_file(engine.mesh), engine.strategy.state_dict())
     if rank == 0:
         write(STATE_FILE, engine.training_state())
-        write(CLIENT_FILE, client_state)
+        write(CLIENT_FILE, _with_data_position(engine, client_state))
     gathered: list = [None] * engine.mesh.world_size
     collectives.all_gather_object(gathered, (files, tensors, tied_names(engine.module)), group=group)
     if rank == 0:
@@ -157,7 +170,19 @@ def write_hashed(path: Path, obj) -> str:
 
 def zero_file(mesh) -> str:
     """Name of this rank's ZeRO partition file."""
-    return f"zero_pp{mesh.pp_rank}_tp{mesh.tp_rank}_dp{mesh.dp_rank}.pt"
+    return f"zero_pp{mesh.pp_rank}{_ep_part(mesh)}_tp{mesh.tp_rank}_dp{partition_index(mesh)}.pt"
+
+
+def partition_index(mesh) -> int:
+    """This rank's place among the dp x cp ranks that share a ZeRO partition group (cp ranks
+    hold different parts of the same sequences, so they partition like more dp ranks; the
+    group's ranks follow mesh order, dp outer). With cp = 1 it is the dp rank."""
+    return mesh.dp_rank * mesh.cp_size + mesh.cp_rank
+
+
+def _ep_part(mesh) -> str:
+    """`_ep<E>` in file names when ep ranks hold different experts, else nothing."""
+    return f"_ep{mesh.ep_rank}" if mesh.ep_size > 1 else ""
 
 
 def _model_tensors(engine) -> dict[str, torch.Tensor]:
@@ -193,14 +218,14 @@ def tied_names(module: torch.nn.Module) -> dict[str, str]:
 
 def model_file(mesh) -> str:
     """Name of the model file of this rank's (pp, tp) position."""
-    if mesh.pp_size == 1 and mesh.tp_size == 1:
+    if mesh.pp_size == 1 and mesh.tp_size == 1 and mesh.ep_size == 1:
         return MODEL_FILE
-    return f"model_pp{mesh.pp_rank}_tp{mesh.tp_rank}.safetensors"
+    return f"model_pp{mesh.pp_rank}{_ep_part(mesh)}_tp{mesh.tp_rank}.safetensors"
 
 
 def optim_file(mesh) -> str:
     """Name of the stage-0 optimizer state file of this rank's (pp, tp) position."""
-    return f"optim_pp{mesh.pp_rank}_tp{mesh.tp_rank}.pt"
+    return f"optim_pp{mesh.pp_rank}{_ep_part(mesh)}_tp{mesh.tp_rank}.pt"
 
 
 def _tensor_entries(engine, file: str) -> dict[str, dict]:
@@ -222,7 +247,7 @@ def _tensor_entries(engine, file: str) -> dict[str, dict]:
             sl[spec.dim] = [mesh.tp_rank * local[spec.dim], (mesh.tp_rank + 1) * local[spec.dim]]
             entry["tp_split"] = {"dim": spec.dim, "stride": spec.stride, "padded_size": spec.padded_size}
         entry["shards"] = [{"file": file if name in stored else "zero partitions",
-                            "pp": mesh.pp_rank, "tp": mesh.tp_rank, "slice": sl}]
+                            "pp": mesh.pp_rank, "tp": mesh.tp_rank, "ep": mesh.ep_rank, "slice": sl}]
         out[name] = entry
     return out
 
@@ -234,8 +259,8 @@ def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str], t
         "format_version": FORMAT_VERSION,
         "tag": tag,
         "global_steps": engine.global_steps,
-        "layout": {"world_size": mesh.world_size, "pp": mesh.pp_size, "dp": mesh.dp_size,
-                   "tp": mesh.tp_size, "zero_stage": engine.strategy.zero_stage},
+        "layout": {"world_size": mesh.world_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "cp": mesh.cp_size,
+                   "tp": mesh.tp_size, "ep": mesh.ep_size, "zero_stage": engine.strategy.zero_stage},
         "tensors": tensors,
         "tied": tied,
         "files": {name: {"sha256": digest, "bytes": (folder / name).stat().st_size}
@@ -246,6 +271,10 @@ def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str], t
     record = {"r": lora.r, "alpha": lora.alpha} if lora is not None else lora_record(engine.module)
     if record is not None:  # the adapters' scaling, alpha / r: `trident checkpoint merge-lora` needs it
         manifest["lora"] = record
+    from trident.hf.export import hf_record
+    hf = hf_record(engine.module)
+    if hf is not None:  # a transformers model inside: its config and names, for `trident checkpoint export-hf`
+        manifest["hf"] = hf
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, folder / MANIFEST)
@@ -347,8 +376,8 @@ def _same_layout_partition(engine, folder: Path, manifest: dict):
     under this engine's exact layout and partitioning; False when it must be resharded."""
     layout, mesh, strategy = manifest["layout"], engine.mesh, engine.strategy
     same = (not manifest.get("resharded_from") and layout.get("zero_stage", 0) == strategy.zero_stage
-            and (layout["pp"], layout["tp"]) == (mesh.pp_size, mesh.tp_size)
-            and (not strategy.per_rank_state or layout["dp"] == mesh.dp_size))
+            and (layout["pp"], layout["tp"], layout.get("ep", 1)) == (mesh.pp_size, mesh.tp_size, mesh.ep_size)
+            and (not strategy.per_rank_state or (layout["dp"], layout.get("cp", 1)) == (mesh.dp_size, mesh.cp_size)))
     if not same:
         return False
     partition = load_pickle(folder, manifest, zero_file(mesh)) if strategy.per_rank_state else None

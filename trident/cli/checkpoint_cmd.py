@@ -1,5 +1,5 @@
-"""`trident checkpoint inspect | reshard | consolidate | merge-lora`: work with a checkpoint on
-disk, with no process group.
+"""`trident checkpoint inspect | reshard | consolidate | merge-lora | export-hf | import-deepspeed`: work with
+a checkpoint on disk, with no process group.
 
 CKPT_DIR is the folder given to `engine.save_checkpoint` (its `latest` tag is used unless
 --tag is given) or one checkpoint folder.
@@ -15,6 +15,14 @@ CKPT_DIR is the folder given to `engine.save_checkpoint` (its `latest` tag is us
                                             weights (W + alpha / r * B A, alpha and r from the
                                             manifest): OUT/model.safetensors loads into the
                                             model as it was before `apply_lora`
+  export-hf CKPT_DIR OUT                    the model as transformers' from_pretrained reads it:
+                                            OUT/config.json and safetensors shards with their
+                                            index (any layout; the manifest records the config,
+                                            else give --config)
+  import-deepspeed DS_DIR OUT               a DeepSpeed ZeRO 0-3 or pipeline checkpoint (its
+                                            save_checkpoint folder or one tag folder) as a
+                                            trident checkpoint under OUT (OUT/<tag>, OUT/latest)
+                                            that loads under any layout; DeepSpeed is not needed
 """
 
 from __future__ import annotations
@@ -55,8 +63,55 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--scaling", type=float, default=None,
                    help="alpha / r, for a checkpoint whose manifest does not record them (default: the manifest's)")
     m.set_defaults(func=run_merge_lora)
+    d = sub.add_parser("import-deepspeed", help="convert a DeepSpeed checkpoint into a trident checkpoint",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d.add_argument("ds_dir", metavar="DS_DIR", help="DeepSpeed's save_checkpoint folder, or one tag folder")
+    d.add_argument("out", metavar="OUT", help="new folder for the trident checkpoint (must not exist or be empty)")
+    d.add_argument("--tag", default=None, help="DeepSpeed tag (default: the one named in 'latest')")
+    d.set_defaults(func=run_import_deepspeed)
+    h = sub.add_parser("export-hf", help="write the checkpoint as a transformers from_pretrained folder",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    h.add_argument("checkpoint_dir", metavar="CKPT_DIR", help="save_checkpoint's folder, or one tag folder")
+    h.add_argument("out", metavar="OUT", help="output folder (config.json and safetensors shards)")
+    h.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
+    h.add_argument("--config", default=None,
+                   help="transformers config.json (or its folder), when the manifest records none")
+    h.add_argument("--max-shard-size", default="5GB", help="largest weight file (default 5GB)")
+    h.add_argument("--dtype", default=None, help="dtype of the floating tensors (default: the model's)")
+    h.set_defaults(func=run_export_hf)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
     return p
+
+
+def run_export_hf(args: argparse.Namespace) -> int:
+    from trident.checkpointing.state import CheckpointError
+    from trident.hf.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint_dir, args.out, tag=args.tag, config=args.config,
+                                max_shard_size=args.max_shard_size, dtype=args.dtype)
+    except (CheckpointError, ValueError) as err:
+        print(f"trident checkpoint export-hf: {err}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+def run_import_deepspeed(args: argparse.Namespace) -> int:
+    from trident.checkpointing.deepspeed_import import import_deepspeed, read_deepspeed
+    from trident.checkpointing.state import CheckpointError
+
+    try:
+        folder = import_deepspeed(args.ds_dir, args.out, tag=args.tag)
+    except CheckpointError as err:
+        print(f"trident checkpoint import-deepspeed: {err}", file=sys.stderr)
+        return 1
+    ds = read_deepspeed(args.ds_dir, args.tag)
+    print(f"imported DeepSpeed {ds.version} {ds.layout['kind']} checkpoint (dp {ds.layout['dp']}, pp "
+          f"{ds.layout['pp']}), step {ds.counters['global_steps']}, {len(ds.params)} parameters: {folder}",
+          file=sys.stderr)
+    print(folder)
+    return 0
 
 
 def run_consolidate(args: argparse.Namespace) -> int:

@@ -1,9 +1,10 @@
-"""`trident config check FILE [--world-size N]`: validate a config and print it fully resolved.
+"""`trident config check FILE [--world-size N] [--strict]`: validate a config and print it resolved.
 
 On success the resolved config (every default filled in) goes to stdout as JSON, so it can be
 saved or piped; with --world-size the batch sizes in it are resolved for that many
 data-parallel ranks and the batch arithmetic is printed to stderr. On failure every problem is
-printed to stderr with its JSON path, and the exit status is 1.
+printed to stderr with its JSON path, and the exit status is 1. DeepSpeed keys that have no
+effect here and unknown top-level keys are listed on stderr; --strict makes unknown keys errors.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import sys
 
 from trident.cli.args import positive_int
-from trident.config import ConfigError, batch_issues, load_config, resolve_batch
+from trident.config import ConfigError, batch_issues, compat, load_config, resolve_batch
 
 
 
@@ -24,6 +25,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("file", help="DeepSpeed-style JSON config")
     p.add_argument("--world-size", type=positive_int, default=None,
                    help="data-parallel ranks to resolve the batch sizes for")
+    p.add_argument("--strict", action="store_true",
+                   help="unknown keys (and comment keys) are errors, as with \"strict\": true in the file")
     p.set_defaults(func=run)
     return p
 
@@ -31,7 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Print the resolved config and return 0, or print every error and return 1."""
     try:
-        cfg = load_config(args.file)
+        cfg = load_config(args.file, strict=getattr(args, "strict", False))
         issues = batch_issues(cfg, args.world_size)
         if issues:
             raise ConfigError(issues)
@@ -45,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as err:
             print(f"{args.file}: {err}", file=sys.stderr)
             return 1
+    for line in compat.startup_lines(list(cfg._notes)):
+        print(line, file=sys.stderr)
     resolved = cfg.to_dict()
     if args.world_size is not None:
         batch = resolve_batch(cfg, args.world_size)

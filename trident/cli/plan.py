@@ -4,6 +4,7 @@
                  [--seq-len 2048] [--global-batch 1536] [--config ds.json] [--top 10] [--json]
     trident plan --params 7.5e9 --gpus 64
     trident plan --model llama-7b --gpus 8 --lora-r 16 [--lora-targets qkv,o,mlp]
+    trident plan --model llama-7b --gpus 8 --seq-len 131072 [--cp-method ring|ulysses]
 
 MODEL is a preset, a Hugging Face-style config.json, or --layers/--hidden/--heads/--vocab.
 Without --config every valid layout is estimated and those that fit are ranked by predicted
@@ -11,8 +12,10 @@ throughput; with --config the one layout it describes is reported in full. --par
 model-state memory per GPU and per node for each ZeRO stage and offload choice. --lora-r
 plans LoRA fine-tuning: the model frozen (parameter bytes only), adapters of rank R on the
 --lora-targets layers trained (gradients and optimizer states); a --config with a `lora`
-section implies its r. The exit status is 1 when nothing fits (or the --config layout does
-not), 2 for bad arguments.
+section implies its r. The search tries context parallelism (cp: every sequence split over cp
+ranks) where 2 x cp divides --seq-len and each rank keeps at least 4096 tokens; --cp-method
+says how its attention talks (a --config's context_parallel section says it there). The exit
+status is 1 when nothing fits (or the --config layout does not), 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lora-targets", type=_lora_targets, default=DEFAULT_LORA_TARGETS,
                    help=f"comma-separated layers LoRA adapts, of {','.join(LORA_TARGETS)} "
                         f"(default {','.join(DEFAULT_LORA_TARGETS)})")
+    p.add_argument("--cp-method", choices=("ring", "ulysses"), default=None,
+                   help="context-parallel attention: ring (k/v blocks around the cp ranks) or ulysses (all-to-all to "
+                        "head shards); default ring, or --config's context_parallel.method")
     p.add_argument("--top", type=positive_int, default=10, help="ranked layouts to print (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
@@ -106,10 +112,12 @@ def _config_layout(path: str, gpus: int) -> tuple[Layout, dict]:
     from trident.config import load_config, resolve_batch
     cfg = load_config(path)
     tp, pp = cfg.tensor_parallel.size, cfg.pipeline.stages
-    if gpus % (tp * pp):
-        raise ValueError(f"--gpus {gpus} is not a multiple of tensor_parallel.size {tp} x pipeline.stages {pp}; "
-                         "change --gpus or the config")
-    dp = gpus // (tp * pp)
+    cp_section = getattr(cfg, "context_parallel", None)
+    cp = cp_section.size if cp_section is not None else 1
+    if gpus % (tp * pp * cp):
+        raise ValueError(f"--gpus {gpus} is not a multiple of tensor_parallel.size {tp} x pipeline.stages {pp}"
+                         + (f" x context_parallel.size {cp}" if cp > 1 else "") + "; change --gpus or the config")
+    dp = gpus // (tp * pp * cp)
     batch = resolve_batch(cfg, dp)
     zero = cfg.zero_optimization
     # Sections this version of the config may not have yet: absent means off.
@@ -117,12 +125,14 @@ def _config_layout(path: str, gpus: int) -> tuple[Layout, dict]:
     ckpt = "none" if ckpt_section is None else getattr(ckpt_section, "mode", "full")
     layout = Layout(dp, tp, pp, zero.stage, batch.micro_batch_size, ckpt, cfg.tensor_parallel.sequence_parallel,
                     _offload_device(zero, "offload_optimizer"), _offload_device(zero, "offload_param"),
-                    cfg.pipeline.schedule, cfg.pipeline.virtual_stages)
+                    cfg.pipeline.schedule, cfg.pipeline.virtual_stages, cp=cp)
     precision = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
     optimizer = cfg.optimizer.type.lower() if cfg.optimizer else None
     lora_r = cfg.lora.r if getattr(cfg, "lora", None) is not None else 0
+    method = cp_section.method if cp_section is not None else "ring"
     return layout, {"global_batch": batch.train_batch_size, "precision": precision, "optimizer": optimizer,
-                    "lora_r": lora_r}
+                    "lora_r": lora_r, "cp_method": method,
+                    "cp_ulysses_size": cp_section.ulysses_size if method == "hybrid" else None}
 
 
 def _state_table(args: argparse.Namespace, out) -> int:
@@ -168,12 +178,15 @@ def run(args: argparse.Namespace, out=None) -> int:
             layout, cfg = _config_layout(args.config, args.gpus)
             workload = Workload(seq, args.global_batch or cfg["global_batch"], args.precision or cfg["precision"],
                                 cfg["optimizer"] or args.optimizer, lora_r=args.lora_r or cfg["lora_r"],
-                                lora_targets=args.lora_targets)
+                                lora_targets=args.lora_targets,
+                                cp_method=args.cp_method or cfg["cp_method"],
+                                cp_ulysses_size=None if args.cp_method else cfg["cp_ulysses_size"])
             est = estimate(model, layout, cluster, workload)
             print(json.dumps(est.to_dict(), indent=2) if args.json else est.format(), file=out)
             return 0 if est.valid and est.fits else 1
         workload = Workload(seq, args.global_batch or _default_batch(seq, args.gpus), args.precision or "bf16",
-                            args.optimizer, lora_r=args.lora_r or 0, lora_targets=args.lora_targets)
+                            args.optimizer, lora_r=args.lora_r or 0, lora_targets=args.lora_targets,
+                            cp_method=args.cp_method or "ring")
         result = search(model, cluster, workload)
     except (ValueError, OSError) as err:
         print(f"trident plan: {err}", file=sys.stderr)
@@ -183,7 +196,9 @@ def run(args: argparse.Namespace, out=None) -> int:
     else:
         lora = f"; LoRA r={workload.lora_r} on {','.join(workload.lora_targets)}" if workload.lora_r else ""
         print(f"{model.describe()}\n{args.gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node); global batch "
-              f"{workload.global_batch} x {seq} tokens; {workload.precision} + {workload.optimizer}{lora}\n", file=out)
+              f"{workload.global_batch} x {seq} tokens; {workload.precision} + {workload.optimizer}{lora}"
+              f"{'; cp attention: ' + workload.cp_method if any(c.layout.cp > 1 for c in result.ranked) else ''}\n",
+              file=out)
         print(result.format(args.top), file=out)
     return 0 if result.ranked else 1
 

@@ -21,6 +21,7 @@ in place whenever a config is loaded; a missing registration is an error, never 
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import os
 import warnings
@@ -29,6 +30,7 @@ from typing import Any, Callable, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from trident.config import compat, hf_auto
 from trident.config.errors import (ROOT, ConfigError, ConfigIssue, describe_value, issues_from_validation_error,
                                    join_path, section_type, unknown_name_message)
 from trident.config.schema import DEPRECATED_ALIASES, SYNONYMS, UNIMPLEMENTED_KEYS, TridentConfig
@@ -69,9 +71,12 @@ def _rules(key: str) -> SectionRules:
     return rules
 
 
-def load_config(source: str | os.PathLike | dict | TridentConfig) -> TridentConfig:
+def load_config(source: str | os.PathLike | dict | TridentConfig, strict: bool = False) -> TridentConfig:
     """Parse a config from a JSON file path, a dict or an already parsed config.
 
+    DeepSpeed's dialect is read as DeepSpeed reads it (`trident.config.compat`): legacy names
+    renamed, keys with no effect here ignored, unknown top-level keys and comment keys accepted
+    with a note. `strict=True` (or `"strict": true` in the config) makes those unknown keys errors.
     Raises `ConfigError` listing every problem found (not just the first).
     """
     if isinstance(source, TridentConfig):
@@ -82,13 +87,22 @@ def load_config(source: str | os.PathLike | dict | TridentConfig) -> TridentConf
         data = read_json(source)
     else:
         raise TypeError(f"load_config takes a JSON file path, a dict or a TridentConfig, got {type(source).__name__}")
-    cfg, issues = validate_section(TridentConfig, data, "")
-    issues += _typed_section_issues(data)
+    issues: list[ConfigIssue] = []
+    flag = data.pop("strict", False)
+    if not isinstance(flag, bool):
+        issues.append(ConfigIssue("strict", f"expected true or false, got {describe_value(flag)}"))
+    strict = strict or flag is True
+    data, notes, compat_issues = compat.translate(data)
+    issues += compat_issues + hf_auto.leftover_auto_issues(data, notes)
+    cfg, schema_issues = validate_section(TridentConfig, data, "", notes=notes, strict=strict)
+    issues += schema_issues + _typed_section_issues(data)
     if cfg is not None and not issues:
         issues += _preset_issues(cfg)
     if issues:
         raise ConfigError(sorted(issues, key=lambda i: i.path))
-    return _resolve_typed_sections(cfg)
+    cfg = _resolve_typed_sections(cfg)
+    cfg._notes = tuple(notes)
+    return cfg
 
 
 def read_json(path: str | os.PathLike) -> dict:
@@ -123,16 +137,19 @@ def _no_duplicates(pairs: list[tuple[str, Any]], duplicates: list[str]) -> dict:
     return out
 
 
-def validate_section(model: type[M], data: Any, path: str) -> tuple[M | None, list[ConfigIssue]]:
+def validate_section(model: type[M], data: Any, path: str, notes: list | None = None,
+                     strict: bool = False) -> tuple[M | None, list[ConfigIssue]]:
     """Validate `data` against a section class; issues carry JSON paths under `path`.
 
     Used for the whole config (path "") and by trident.optim for `optimizer.params` and
-    `scheduler.params`. Returns (None, issues) when anything is wrong.
+    `scheduler.params`. Returns (None, issues) when anything is wrong. With `notes` (a list),
+    comment keys and unknown top-level keys with no close match are accepted and recorded there
+    (DeepSpeed ignores them) unless `strict`.
     """
     if not isinstance(data, dict):
         return None, [ConfigIssue(path or ROOT, f"expected an object {{...}}, got {describe_value(data)}")]
     issues: list[ConfigIssue] = []
-    cleaned = _check_keys(data, model, path, issues)
+    cleaned = _check_keys(data, model, path, issues, notes, strict)
     try:
         obj = model.model_validate(cleaned)
     except ValidationError as err:
@@ -140,7 +157,8 @@ def validate_section(model: type[M], data: Any, path: str) -> tuple[M | None, li
     return (None, issues) if issues else (obj, [])
 
 
-def _check_keys(data: dict, model: type[BaseModel], path: str, issues: list[ConfigIssue]) -> dict:
+def _check_keys(data: dict, model: type[BaseModel], path: str, issues: list[ConfigIssue],
+                notes: list | None = None, strict: bool = False) -> dict:
     """`data` with aliases renamed and unknown keys dropped (each reported); sections recursed."""
     out: dict[str, Any] = {}
     fields = model.model_fields
@@ -160,12 +178,39 @@ def _check_keys(data: dict, model: type[BaseModel], path: str, issues: list[Conf
         if key not in fields:
             if key in unimplemented:
                 issues.append(ConfigIssue(full, template.format(path=full)))
+            elif notes is not None and _tolerated(key, path, fields):
+                if strict:
+                    issues.append(ConfigIssue(full, "unknown key, an error because \"strict\" is true; remove it "
+                                                    "(without strict it would be ignored with a warning, as "
+                                                    "DeepSpeed ignores it)"))
+                else:
+                    notes.append(compat.Note(full, "unknown", "comment" if compat.is_comment_key(key) else "unknown"))
             else:
                 issues.append(ConfigIssue(full, unknown_name_message("key", key, fields)))
             continue
         sub = section_type(fields[key].annotation)
-        out[key] = _check_keys(value, sub, full, issues) if sub is not None and isinstance(value, dict) else value
+        out[key] = _check_keys(value, sub, full, issues, notes, strict) \
+            if sub is not None and isinstance(value, dict) else value
     return out
+
+
+TYPO_CUTOFF = 0.75
+"""An unknown top-level key at least this similar to a known one (difflib's ratio), or a known
+key cut short or lengthened, is a typo and an error; otherwise it is taken for a project's own
+key and ignored, as DeepSpeed does."""
+
+
+def _tolerated(key: str, path: str, fields: dict) -> bool:
+    """Comment keys anywhere, and top-level keys that are not near-misses of a known key (inside a
+    section DeepSpeed, like trident, rejects unknown keys)."""
+    if compat.is_comment_key(key):
+        return True
+    if path != "":
+        return False
+    low = key.lower()
+    if any(low == f.lower() or (len(low) >= 5 and (f.startswith(low) or low.startswith(f))) for f in fields):
+        return False  # a different case, or a truncated or extended known key
+    return not difflib.get_close_matches(key, list(fields), n=1, cutoff=TYPO_CUTOFF)
 
 
 def _warn_alias(old: str, new: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from trident.config.errors import ConfigError, ConfigIssue, rule_error
 
@@ -315,7 +315,8 @@ class TensorParallelConfig(Section):
     sequence_parallel: bool = Field(False, description=(
         "Run LayerNorm and dropout on sequence shards; all-reduces become all-gather/reduce-scatter."))
     plan: str | dict[str, str] | None = Field(None, description=(
-        'How to split a model written without trident: a preset name ("gpt2", "llama") or '
+        'How to split a model written without trident: a preset name ("gpt2", "llama"), "hf" (a '
+        "transformers model's own plan), \"auto\" (\"hf\", else the preset of its model type) or "
         '{module-name pattern: "column" | "row" | "vocab"}; null for models built from trident layers.'))
 
 
@@ -341,28 +342,36 @@ def _reserved_size(size: int, feature: str) -> int:
 
 class ContextParallelConfig(Section):
     """`context_parallel`: split every sequence over `size` ranks (mesh axis cp, between dp and ep).
-    Reserved: only size 1 is accepted until context parallelism lands."""
+    Each rank holds 2 of 2 x size chunks (load-balanced under the causal mask); attention reaches
+    the rest by the ring, by Ulysses' all-to-all, or both (trident.context_parallel)."""
 
     size: int = Field(1, gt=0, description=(
         "Context-parallel ranks per model replica, each holding a slice of every sequence; 1 = off."))
+    method: Literal["ring", "ulysses", "hybrid"] = Field("ring", description=(
+        "ring: key/value blocks travel around the cp ranks; ulysses: all-to-all to head shards "
+        "(heads divisible by size); hybrid: Ulysses inside groups of ulysses_size, the ring across."))
+    ulysses_size: int | None = Field(None, gt=0, description=(
+        "hybrid only: ranks per Ulysses group (divides size); null = size for ulysses."))
 
-    @field_validator("size")
-    @classmethod
-    def _not_yet(cls, size: int) -> int:
-        return _reserved_size(size, "context parallelism")
+    @model_validator(mode="after")
+    def _hybrid_needs_ulysses_size(self) -> "ContextParallelConfig":
+        if self.method == "hybrid" and (self.ulysses_size is None or self.size % self.ulysses_size):
+            raise rule_error(f"method 'hybrid' needs ulysses_size dividing size={self.size}, got "
+                             f"{self.ulysses_size}; Ulysses runs inside groups of ulysses_size ranks and the ring "
+                             f"across them")
+        if self.method != "hybrid" and self.ulysses_size not in (None, self.size if self.method == "ulysses" else 1):
+            raise rule_error(f"ulysses_size={self.ulysses_size} is only used with method 'hybrid' (method is "
+                             f"{self.method!r}); remove it or set method to 'hybrid'")
+        return self
 
 
 class ExpertParallelConfig(Section):
-    """`expert_parallel`: place a mixture-of-experts layer's experts on `size` ranks (mesh axis ep,
-    between cp and tp). Reserved: only size 1 is accepted until expert parallelism lands."""
+    """`expert_parallel`: place each mixture-of-experts layer's experts on `size` ranks (mesh axis
+    ep, between cp and tp; `trident.moe`). The data-parallel size of the batch arithmetic is then
+    dp x ep: ep ranks see different samples."""
 
     size: int = Field(1, gt=0, description=(
         "Expert-parallel ranks: each holds 1/size of the experts and sees its own data; 1 = off."))
-
-    @field_validator("size")
-    @classmethod
-    def _not_yet(cls, size: int) -> int:
-        return _reserved_size(size, "expert parallelism")
 
 
 class LoRAConfig(Section):
@@ -435,6 +444,27 @@ class ParameterServerConfig(Section):
 
 # -- trident's built-in trainer (`trident train`; ignored by trident.initialize) ------------------
 
+class MoEModelConfig(Section):
+    """`model.moe`: make every `every_n_layers`-th block's MLP a mixture of experts (`trident.moe.MoE`)."""
+
+    num_experts: int = Field(8, gt=0, description="Experts per MoE layer (a multiple of expert_parallel.size).")
+    k: int = Field(2, gt=0, description="Experts each token visits (top-k).")
+    every_n_layers: int = Field(1, gt=0, description="Blocks every_n_layers - 1, 2 x every_n_layers - 1, ... are MoE.")
+    capacity_factor: float = Field(1.0, gt=0, description="Slots per expert = ceil(tokens / experts x factor x k).")
+    eval_capacity_factor: float = Field(1.0, gt=0, description="capacity_factor in evaluation.")
+    min_capacity: int = Field(4, ge=0, description="Slots per expert at least.")
+    drop_tokens: bool = Field(True, description="Drop choices past capacity; false = dropless.")
+    aux_loss_coef: float = Field(0.01, ge=0, description="Weight of the load-balancing loss in the training loss.")
+    z_loss_coef: float = Field(0.0, ge=0, description="Weight of the router z-loss in the training loss.")
+
+    @model_validator(mode="after")
+    def _k_fits(self) -> MoEModelConfig:
+        if self.k > self.num_experts:
+            raise rule_error(f"k={self.k} is larger than num_experts={self.num_experts}; each token picks k "
+                             "distinct experts, so choose k <= num_experts")
+        return self
+
+
 class ModelConfig(Section):
     """The model `trident train` builds; explicit sizes override the preset's."""
 
@@ -448,16 +478,60 @@ class ModelConfig(Section):
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability.")
     bias: bool = Field(True, description="Bias terms in linear layers and layer norms.")
     tie_embeddings: bool = Field(True, description="Share the token embedding with the output layer.")
+    moe: MoEModelConfig | None = Field(None, description="Mixture-of-experts MLPs; null = dense.")
 
 
 class DataConfig(Section):
-    """The text `trident train` trains on."""
+    """The data `trident train` trains on: prepared `.bin`/`.idx` shards (`trident data prepare`)."""
 
-    dataset: str = Field("kjv", description='"kjv" (the bundled corpus) or a path to a UTF-8 text file.')
+    dataset: str = Field("kjv", description=(
+        '"kjv" (the bundled corpus) or a UTF-8 text file (one document per line); used when `paths` is '
+        "null, prepared into ~/.cache/trident/data on first use."))
     tokenizer: str | None = Field(None, description="Path to a tokenizers JSON file; null = the bundled one.")
+    paths: list[str] | None = Field(None, description=(
+        "Prepared data: folders of .bin/.idx shards or shard prefixes, one corpus each; null = `dataset`."))
+    weights: list[float] | None = Field(None, description=(
+        "Share of samples drawn from each of `paths` (normalised; exact within one sample at every prefix); "
+        "null = proportional to their sizes."))
+    seq_len: int | None = Field(None, gt=0, description="Tokens per training sequence; null = model.seq_len.")
+    packing: bool = Field(False, description=(
+        "Pack whole documents into each sequence; position ids restart and attention is blocked at "
+        "document boundaries, so a packed row trains like its documents one by one."))
+    bucketing: bool = Field(False, description=(
+        "One document per sample, batched with documents of similar length under max_tokens_per_batch."))
+    max_tokens_per_batch: int | None = Field(None, gt=0, description=(
+        "With bucketing: padded tokens per micro-batch (instead of a sample count); null = micro batch x seq_len."))
+    num_workers: int = Field(0, ge=0, description=(
+        "Loader worker processes per rank (prefetching); 0 = read in the training process, which on CPU is "
+        "cheaper: a memory-mapped sample costs microseconds, a worker's hand-over milliseconds."))
+    seed: int | None = Field(None, description="Seed of the data order; null = the top-level `seed`.")
     shuffle: bool = Field(True, description="Reshuffle the training sequences every epoch.")
-    drop_last: bool = Field(True, description="Drop the last incomplete batch of an epoch.")
-    val_fraction: float = Field(0.01, ge=0, lt=1, description="Share of the text held out for validation.")
+    drop_last: bool = Field(True, description=(
+        "Kept for old configs; the stream of samples runs on across epochs, so no batch is incomplete."))
+    val_fraction: float = Field(0.01, ge=0, lt=1, description="Share of the documents held out for validation.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DataConfig:
+        problems = []
+        if self.weights is not None:
+            if self.paths is None or len(self.weights) != len(self.paths):
+                problems.append(f"weights has {len(self.weights)} entries for "
+                                f"{0 if self.paths is None else len(self.paths)} paths; give one weight per path")
+            elif any(w < 0 for w in self.weights) or not sum(self.weights) > 0:
+                problems.append(f"weights {self.weights} must be non-negative and sum to a positive number (they "
+                                f"sum to {sum(self.weights)}); they are normalised, so [3, 1] draws 75% from "
+                                f"the first path")
+        if self.paths is not None and not self.paths:
+            problems.append("paths is empty; give at least one folder or shard prefix, or null")
+        if self.packing and self.bucketing:
+            problems.append("packing and bucketing are both true; packing fills fixed rows with whole documents, "
+                            "bucketing batches single documents by length: choose one")
+        if self.max_tokens_per_batch is not None and not self.bucketing:
+            problems.append("max_tokens_per_batch is set but bucketing is false; it only applies to bucketed "
+                            "batches: set bucketing to true or remove it")
+        if problems:
+            raise rule_error("; ".join(problems))
+        return self
 
 
 class TrainerConfig(Section):
@@ -511,7 +585,7 @@ class TridentConfig(Section):
     context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig, description=(
         "Context (sequence) parallelism; not implemented yet."))
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig, description=(
-        "Expert parallelism; not implemented yet."))
+        "Expert parallelism (mixture-of-experts layers)."))
     lora: LoRAConfig | None = Field(None, description="LoRA fine-tuning (frozen base, trainable adapters).")
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing (recompute).")
@@ -520,6 +594,18 @@ class TridentConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="`trident train` only.")
     data: DataConfig = Field(default_factory=DataConfig, description="`trident train` only.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="`trident train` only.")
+    _notes: tuple = PrivateAttr(default=())
+    """Keys the loader accepted without using (`trident.config.compat.Note`): DeepSpeed keys with
+    no effect here and unknown keys; `trident.initialize` lists them in one start-up line."""
+
+    @model_validator(mode="after")
+    def _experts_divide(self) -> TridentConfig:
+        moe, ep = self.model.moe, self.expert_parallel.size
+        if moe is not None and moe.num_experts % ep:
+            raise ConfigError([ConfigIssue("model.moe.num_experts", (
+                f"{moe.num_experts} is not divisible by expert_parallel.size={ep}; each ep rank holds "
+                f"num_experts / ep experts, so choose a multiple of {ep}"))])
+        return self
 
     @model_validator(mode="after")
     def _one_precision(self) -> TridentConfig:

@@ -49,12 +49,17 @@ class GradientReducer:
         predivide_factor: float = 1.0,
         prescale_gradients: bool = False,
         logger: CommsLogger | None = None,
+        average_over: int | None = None,
     ) -> None:
         self.params = params
         self.group = group
         self.dp_size = dist.get_world_size(group)
+        # Expert weights are summed over their smaller group (dp x cp) but averaged over every
+        # data-parallel rank (dp x cp x ep), like the dense weights: each rank's loss is a mean
+        # over its own tokens, and an expert's gradient already sums its ep group's losses.
+        self.average_over = average_over or self.dp_size
         self.overlap_comm = overlap_comm
-        self.scaling = GradScaling(self.dp_size, predivide_factor, prescale_gradients)
+        self.scaling = GradScaling(self.average_over, predivide_factor, prescale_gradients)
         self.logger = logger
         offsets, self.buckets = plan_buckets([p.numel() for p in params], bucket_size)
         device = params[0].device if params else torch.device("cpu")
@@ -110,7 +115,8 @@ class GradientReducer:
     def _launch(self, bucket: Bucket) -> None:
         data = self.buffer.slice(bucket.start, bucket.end)
         self.scaling.before(data)
-        handle = collectives.all_reduce(data, group=self.group, async_op=True, logger=self.logger)
+        handle = (collectives.all_reduce(data, group=self.group, async_op=True, logger=self.logger)
+                  if self.dp_size > 1 else None)
         self._handles.append((bucket, handle))
         self._next_launch += 1
 
@@ -119,7 +125,7 @@ class GradientReducer:
     def start_backward(self, boundary: bool) -> None:
         """Called before each backward; `boundary` marks the window's last micro-step."""
         self._boundary = boundary
-        self._sync = boundary and self.dp_size > 1
+        self._sync = boundary and self.average_over > 1
         self._ready = [set() for _ in self.buckets]
         self._next_launch = 0
         self._handles = []
@@ -135,7 +141,8 @@ class GradientReducer:
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
         for bucket, handle in self._handles:
-            handle.wait()
+            if handle is not None:
+                handle.wait()
             self.scaling.after(self.buffer.slice(bucket.start, bucket.end))
         self._handles = []
         self._sync = False

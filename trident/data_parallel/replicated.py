@@ -24,47 +24,61 @@ class ReplicatedOptimizer(LocalStep):
     averaged_gradients = True
 
     def __init__(self, reducer: GradientReducer, master: MasterWeights, optimizer: torch.optim.Optimizer,
-                 mesh, names: list[str], frozen: list[torch.nn.Parameter] = ()) -> None:
+                 mesh, names: list[str], frozen: list[torch.nn.Parameter] = (),
+                 expert_reducer: GradientReducer | None = None) -> None:
         self.reducer, self.master, self.optimizer, self.mesh = reducer, master, optimizer, mesh
+        # Expert weights (trident.moe) have a reducer of their own over the expert-data-parallel
+        # group; `names` and the masters list the dense parameters first, then the experts.
+        self.reducers = [reducer] + ([expert_reducer] if expert_reducer is not None else [])
         self.names = names
         self.frozen = list(frozen)  # requires_grad=False: no gradient, no state, no traffic; bytes only
+        self.grads = [g for r in self.reducers for g in r.grads]
         sharded = [bool(getattr(p, "tensor_model_parallel", False)) for p in reducer.params]
         self._sharded = [g for g, s in zip(reducer.grads, sharded) if s]
         self._replicated = [g for g, s in zip(reducer.grads, sharded) if not s]
-        self.numel = sum(p.numel() for p in reducer.params)
+        self.numel = sum(p.numel() for r in self.reducers for p in r.params)
 
     def start_backward(self, boundary: bool) -> None:
-        self.reducer.start_backward(boundary)
+        for r in self.reducers:
+            r.start_backward(boundary)
 
     def finish_backward(self) -> None:
-        self.reducer.finish_backward()
+        for r in self.reducers:
+            r.finish_backward()
 
     def zero_grad(self) -> None:
-        self.reducer.zero_grad()
+        for r in self.reducers:
+            r.zero_grad()
 
     def grad_parts(self) -> list[tuple[list[torch.Tensor], tuple]]:
         """Gradients by the groups their norm is summed over: dp replicas hold the same values,
-        tensor-parallel shards differ across the tp group."""
+        tensor-parallel shards differ across the tp group, experts across the ep group."""
         if not self._sharded:
-            return [([self.reducer.buffer.data], ())]
-        tp = (self.mesh.tp_group,) if self.mesh.tp_size > 1 else ()
-        return [(self._replicated, ()), (self._sharded, tp)]
+            parts = [([self.reducer.buffer.data], ())]
+        else:
+            tp = (self.mesh.tp_group,) if self.mesh.tp_size > 1 else ()
+            parts = [(self._replicated, ()), (self._sharded, tp)]
+        if len(self.reducers) > 1:
+            parts.append(([self.reducers[1].buffer.data], (self.mesh.ep_group,) if self.mesh.ep_size > 1 else ()))
+        return parts
 
     def nonfinite_names(self) -> list[str]:
         """Parameters whose gradient holds a NaN or inf on this rank."""
-        return [n for n, g in zip(self.names, self.reducer.grads) if not torch.isfinite(g.sum())]
+        return [n for n, g in zip(self.names, self.grads) if not torch.isfinite(g.sum())]
 
     @torch.no_grad()
     def optimizer_step(self, grad_coef: float) -> None:
         if grad_coef != 1.0:
-            self.reducer.buffer.data.mul_(grad_coef)
-        self.master.attach_grads(self.reducer.grads)
+            for r in self.reducers:
+                r.buffer.data.mul_(grad_coef)
+        self.master.attach_grads(self.grads)
         self.optimizer.step()
         self.master.copy_to_model()
 
     def memory_breakdown(self) -> dict[str, int]:
-        params = sum(p.numel() * p.element_size() for p in [*self.reducer.params, *self.frozen])
-        grads = self.reducer.buffer.data.numel() * self.reducer.buffer.data.element_size()
+        trained = [p for r in self.reducers for p in r.params]
+        params = sum(p.numel() * p.element_size() for p in [*trained, *self.frozen])
+        grads = sum(r.buffer.data.numel() * r.buffer.data.element_size() for r in self.reducers)
         masters = sum(m.numel() * 4 for m, c in zip(self.master.master_params, self.master.is_copy) if c)
         optim = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                     for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)

@@ -8,11 +8,12 @@ The order is fixed and is the one place where strategies meet:
   3. resolve the batch triangle for the mesh's data-parallel size; on CPU, tune glibc's
      malloc so per-step allocations reuse memory instead of faulting it in again
   4. tensor parallelism: the config's plan replaces layers by their tp-split twins (each rank
-     keeping its slice of the full weight); then every dp replica gets rank 0's weights
+     keeping its slice of the full weight); context parallelism gives the model its cp handle
+     (it shards every sequence itself); then every dp replica gets rank 0's weights
   5. precision: cast the model to bf16/fp16, keep fp32 master weights
   6. data parallelism: stage 0's gradient buffer and bucketed all-reduce, or ZeRO's partitions
   7. optimizer and LR scheduler over the master weights
-  8. the data loader, sharded over the dp group
+  8. the data loader, sharded over the dp group (cp ranks of a replica read the same samples)
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import torch
 
 from trident import diagnostics
 from trident.comm import collectives
+from trident.comm import deepspeed_api
 from trident.comm.backend import init_distributed
 from trident.comm.logger import CommsLogger
-from trident.config import TridentConfig, load_config, resolve_batch
+from trident.config import TridentConfig, compat, hf_auto, load_config, resolve_batch
+from trident.config.loader import read_json
 from trident.data.sampler import DistributedSampler
 from trident.data_parallel.reducer import GradientReducer
 from trident.data_parallel.replicated import ReplicatedOptimizer
@@ -36,7 +39,8 @@ from trident.monitor.log import format_bytes, logger, setup_logging
 from trident.monitor.writers import Monitors
 from trident.optim.factory import build_optimizer
 from trident.optim.schedulers import build_scheduler
-from trident.parallel.mesh import ParallelMesh, gradient_group
+from trident.moe.parallel import apply_expert_parallel, describe_moe, is_expert
+from trident.parallel.mesh import DENSE_GRADIENT_AXES, ParallelMesh, gradient_group
 from trident.pipeline.module import PipelineModule
 from trident.precision.loss_scaler import make_loss_scaler
 from trident.precision.mixed import MasterWeights, compute_dtype, retarget_optimizer
@@ -61,26 +65,32 @@ def initialize(
 
     DeepSpeed's signature. `optimizer` may be an optimizer over `model.parameters()` or a
     callable taking the parameters; without it the config's `optimizer` section is used.
-    `lr_scheduler` may be a scheduler or a callable taking the optimizer. `mesh` lets a caller
-    (a test, or two engines in one process) pass the process groups explicitly.
+    `lr_scheduler` may be a scheduler or a callable taking the optimizer. `mpu` (Megatron's
+    model-parallel unit) sets the mesh's tensor- and pipeline-parallel sizes, and its groups are
+    checked to be the mesh's. `mesh` lets a caller (a test, or two engines in one process) pass
+    the process groups explicitly.
     """
     if model is None:
         raise ValueError("trident.initialize needs model=<your torch.nn.Module>")
-    if mpu is not None:
-        raise ValueError("mpu= is not supported: trident builds its own mesh from the config; "
-                         "pass mesh=trident.ParallelMesh(...) to choose the process groups")
     source = config if config is not None else config_params
     if source is None and args is not None:
-        source = getattr(args, "deepspeed_config", None) or getattr(args, "trident_config", None)
+        source = (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+                  or getattr(args, "trident_config", None))
     if source is None:
-        raise ValueError("trident.initialize needs config=<path to a JSON file, or a dict>")
-    cfg = load_config(source)
+        raise ValueError("trident.initialize needs config=<path to a JSON file, or a dict> (or args with "
+                         "--deepspeed_config, see trident.add_config_arguments)")
+    cfg = _load_for_run(source, model, optimizer, lr_scheduler)
     if cfg.parameter_server.servers > 0:
         from trident.parameter_server import initialize_parameter_server
         return initialize_parameter_server(cfg, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                            training_data=training_data, lr_scheduler=lr_scheduler,
                                            collate_fn=collate_fn, mesh=mesh)
 
+    if mesh is None and mpu is not None:
+        from trident.engine.deepspeed_compat import mesh_from_mpu
+        env = init_distributed(timeout_s=cfg.distributed.timeout_s)
+        diagnostics.preflight(cfg)
+        cfg, mesh = mesh_from_mpu(mpu, cfg, env.device.type)
     if mesh is None:
         env = init_distributed(timeout_s=cfg.distributed.timeout_s)
         diagnostics.preflight(cfg)  # through the store, before any group: same config, world size, versions
@@ -89,7 +99,13 @@ def initialize(
     diagnostics.configure(cfg.distributed, mesh)  # hang detector, before trident's first collective
     diagnostics.preflight(cfg, mesh)  # same layout on every rank; a tiny all-reduce per axis group
     setup_logging(mesh.global_rank)
-    batch = resolve_batch(cfg, mesh.dp_size)
+    batch = resolve_batch(cfg, data_parallel_size(mesh))
+    if cfg.pipeline.stages > 1 and not isinstance(model, PipelineModule):
+        from trident.pipeline.hf import find_causal_lm, from_hf
+        if find_causal_lm(model) is not None:  # a transformers causal LM: split into this rank's stage
+            pp = cfg.pipeline
+            model = from_hf(model, pp.stages, partition_method=pp.partition_method,
+                            virtual_stages=pp.virtual_stages, stage_id=mesh.pp_rank)
     device = next(model.parameters()).device
     if device.type == "cpu" and cfg.host_allocator.enabled:
         ha = cfg.host_allocator
@@ -98,9 +114,14 @@ def initialize(
                         ha.trim_threshold_mb)
 
     comms_logger = CommsLogger(**cfg.comms_logger.model_dump())
+    deepspeed_api.configure(logger=comms_logger)  # deepspeed.comm calls in the script log here too
     if mesh.tp_size > 1 or cfg.tensor_parallel.plan is not None:
         from trident.tensor_parallel import apply_tensor_parallel
         model = apply_tensor_parallel(model, cfg.tensor_parallel, mesh, logger=comms_logger)
+    if mesh.cp_size > 1:
+        from trident.context_parallel import apply_context_parallel
+        apply_context_parallel(model, cfg.context_parallel, mesh, logger=comms_logger)
+    apply_expert_parallel(model, mesh, logger=comms_logger)
     if cfg.lora is not None:
         from trident.peft import apply_lora
         apply_lora(model, seed=cfg.seed, **cfg.lora.model_dump())
@@ -131,9 +152,28 @@ def initialize(
     engine.training_dataloader = loader
     engine.parameter_counts = counts  # this rank's (tp / pp local) elements, before any ZeRO partitioning
     _log_startup(engine, device)
+    if (line := compat.ignored_line(list(cfg._notes))) is not None:
+        logger.info(line)
+    if (line := compat.unknown_line(list(cfg._notes))) is not None:
+        logger.warning(line)
     if cfg.checkpoint.auto_resume and cfg.checkpoint.path:
         _resume(engine, loader, cfg.checkpoint.path)
     return engine, optimizer, loader, scheduler
+
+
+def _load_for_run(source, model, optimizer, lr_scheduler) -> TridentConfig:
+    """The config, with what the run itself tells filled in: Hugging Face `"auto"` values the
+    model or a client optimizer settle (`hf_auto.fill_from_run`), and a DeepSpeed
+    PipelineModule's stage count when the config does not give one."""
+    if not isinstance(source, TridentConfig):
+        data = read_json(source) if not isinstance(source, dict) else source
+        source = hf_auto.fill_from_run(data, model, optimizer, lr_scheduler)
+    cfg = load_config(source)
+    if isinstance(model, PipelineModule) and cfg.pipeline.stages == 1 and model.num_stages > 1:
+        pipe = cfg.pipeline.model_copy(update={"stages": model.num_stages,
+                                               "partition_method": model.partition_method})
+        cfg = cfg.model_copy(update={"pipeline": pipe})
+    return cfg
 
 
 def _resume(engine: Engine, loader, path: str) -> None:
@@ -179,14 +219,20 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
     zero = cfg.zero_optimization
     frozen = [p for p in model.parameters() if not p.requires_grad]
     if zero.stage == 0:
+        dense = [p for p in params if not is_expert(p)]
+        experts = [p for p in params if is_expert(p)]
+        params = dense + experts  # the masters, names and gradients list experts last
         master = MasterWeights(params)
-        reducer = GradientReducer(
-            params, gradient_group(mesh, params), bucket_size=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
-            predivide_factor=cfg.gradient_predivide_factor, prescale_gradients=cfg.prescale_gradients,
-            logger=comms_logger)
+        reducers = [GradientReducer(
+            group_params, gradient_group(mesh, group_params), bucket_size=zero.reduce_bucket_size,
+            overlap_comm=zero.overlap_comm, predivide_factor=cfg.gradient_predivide_factor,
+            prescale_gradients=cfg.prescale_gradients, logger=comms_logger,
+            average_over=mesh.topology.size(DENSE_GRADIENT_AXES))
+            for group_params in (dense, experts) if group_params]
         optimizer = _make_optimizer(optimizer, model_parameters, params, master, cfg)
         names = {id(p): n for n, p in model.named_parameters()}
-        strategy = ReplicatedOptimizer(reducer, master, optimizer, mesh, [names[id(p)] for p in params], frozen)
+        strategy = ReplicatedOptimizer(reducers[0], master, optimizer, mesh, [names[id(p)] for p in params], frozen,
+                                       expert_reducer=reducers[1] if dense and experts else None)
         return master, strategy, optimizer
     optimizer = _make_optimizer(optimizer, model_parameters, params, None, cfg)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -240,20 +286,36 @@ def _make_scheduler(lr_scheduler, optimizer, cfg):
 
 
 def _make_loader(dataset, collate_fn, mesh: ParallelMesh, batch, cfg) -> torch.utils.data.DataLoader:
-    sampler = DistributedSampler(dataset, num_replicas=mesh.dp_size, rank=mesh.dp_rank,
+    sampler = DistributedSampler(dataset, num_replicas=data_parallel_size(mesh), rank=data_parallel_rank(mesh),
                                  shuffle=True, seed=cfg.seed)
     return torch.utils.data.DataLoader(dataset, batch_size=batch.micro_batch_size, sampler=sampler,
                                        collate_fn=collate_fn, drop_last=False)
+
+
+def data_parallel_size(mesh: ParallelMesh) -> int:
+    """Ranks that see different samples: dp x ep (ep ranks hold other experts and other data;
+    cp ranks share their sequences)."""
+    return mesh.dp_size * mesh.ep_size
+
+
+def data_parallel_rank(mesh: ParallelMesh) -> int:
+    """This rank's share of each global batch, 0 .. data_parallel_size - 1 (dp outer, ep inner:
+    the order of the dense gradient group, which MoE routing's priority order follows)."""
+    return mesh.dp_rank * mesh.ep_size + mesh.ep_rank
 
 
 def _log_startup(engine: Engine, device: torch.device) -> None:
     b, mesh = engine.batch, engine.mesh
     counts = getattr(engine, "parameter_counts", None)
     n = counts["trainable"] + counts["frozen"] if counts else engine.strategy.numel
-    logger.info("mesh (pp x dp x tp = %d x %d x %d) on %s:\n%s", mesh.pp_size, mesh.dp_size,
-                mesh.tp_size, device, mesh.describe())
-    logger.info("batch: train_batch_size %d = micro %d x accumulation %d x dp %d",
-                b.train_batch_size, b.micro_batch_size, b.gradient_accumulation_steps, mesh.dp_size)
+    logger.info("mesh on %s: %s", device, mesh.describe())
+    if mesh.cp_size > 1:
+        cp = engine.config.context_parallel
+        logger.info("context parallelism: every sequence split over %d ranks (%s%s)", mesh.cp_size, cp.method,
+                    f", Ulysses groups of {cp.ulysses_size}" if cp.method == "hybrid" else "")
+    logger.info("batch: train_batch_size %d = micro %d x accumulation %d x dp %d%s",
+                b.train_batch_size, b.micro_batch_size, b.gradient_accumulation_steps, mesh.dp_size,
+                f" x ep {mesh.ep_size}" if mesh.ep_size > 1 else "")
     logger.info("model: %.2fM parameters in %s; optimizer %s; ZeRO stage %d",
                 n / 1e6, engine.compute_dtype, type(engine.optimizer).__name__, engine.strategy.zero_stage)
     if counts and counts["frozen"]:
@@ -264,6 +326,10 @@ def _log_startup(engine: Engine, device: torch.device) -> None:
                     f"{counts['trainable'] / (counts['trainable'] + counts['frozen']):.2%}", what,
                     f"{counts['frozen']:,}", format_bytes(counts["frozen"] * engine.compute_dtype.itemsize),
                     engine.compute_dtype)
+    seq_len = getattr(getattr(engine.module, "config", None), "seq_len", None)  # the reference GPT's
+    moe = describe_moe(engine.module, mesh, b.micro_batch_size * seq_len if seq_len else None)
+    if moe:
+        logger.info(moe)
     mem = engine.memory_breakdown()
     logger.info("model states per rank: %s (optimizer states appear after the first step)",
                 ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()))
@@ -292,5 +358,14 @@ def _predicted_model_states(engine: Engine):
     state = trident_state_bytes(stage, precision, name)
     counts = getattr(engine, "parameter_counts", None)
     frozen = counts["frozen"] if counts else 0  # e.g. LoRA's base model: parameter bytes only
-    return model_state_bytes(engine.strategy.numel + frozen, stage, engine.mesh.dp_size, state,
-                             trainable=engine.strategy.numel)
+    mesh = engine.mesh
+    experts = sum(p.numel() for p in engine.module.parameters() if is_expert(p) and p.requires_grad)
+    if experts:  # dense weights partitioned over dp x ep replicas, this rank's experts over dp
+        from trident.planner.memory import ModelStates
+        dense = model_state_bytes(engine.strategy.numel - experts + frozen, stage,
+                                  data_parallel_size(mesh) * mesh.cp_size, state,
+                                  trainable=engine.strategy.numel - experts)
+        expert = model_state_bytes(experts, stage, mesh.dp_size * mesh.cp_size, state)
+        return ModelStates(*(a + b for a, b in zip(dense.as_dict().values(), expert.as_dict().values())))
+    return model_state_bytes(engine.strategy.numel + frozen, stage, mesh.dp_size * mesh.cp_size, state,
+                             trainable=engine.strategy.numel)  # ZeRO partitions over dp x cp

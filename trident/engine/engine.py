@@ -21,6 +21,7 @@ from trident.comm.logger import CommsLogger
 from trident.config.batch import BatchGetters, BatchSizes
 from trident.engine.strategy import GradientStrategy, RemoteStrategy
 from trident.engine.timers import Timers
+from trident.moe.parallel import moe_events, moe_summary
 from trident.monitor.log import logger
 from trident.parallel.mesh import ParallelMesh
 from trident.precision.mixed import MasterWeights
@@ -132,6 +133,65 @@ class Engine(BatchGetters, torch.nn.Module):
         """Norm of the averaged gradient at the last optimizer step, before clipping."""
         return self._global_grad_norm
 
+    # -- DeepSpeed's engine API (what scripts call besides forward/backward/step) -------------
+
+    @property
+    def device(self) -> torch.device:
+        """The device the model computes on."""
+        return next(self.module.parameters(), torch.empty(0)).device
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (LOCAL_RANK, as DeepSpeed reports it)."""
+        import os
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    def zero_optimization_stage(self) -> int:
+        return self.strategy.zero_stage
+
+    def was_step_applied(self) -> bool:
+        """False when the last optimizer step was skipped (fp16 overflow, or a skipped non-finite step)."""
+        return not self.last_step_overflowed
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the coming backward and step end an accumulation window, overriding the
+        count (DeepSpeed's escape hatch for loops that vary their accumulation)."""
+        self._boundary_override = bool(is_boundary)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if getattr(self, "_no_sync", False):
+            return False
+        override = getattr(self, "_boundary_override", None)
+        return super().is_gradient_accumulation_boundary() if override is None else override
+
+    def no_sync(self):
+        """Context in which backward accumulates gradients locally without communicating.
+        Refused under ZeRO stages 2-3, which reduce gradients into partitions during backward."""
+        import contextlib
+
+        if self.zero_optimization_stage() >= 2:
+            raise RuntimeError(f"engine.no_sync() is not supported under ZeRO stage {self.zero_optimization_stage()}: "
+                               "gradients are partitioned as backward runs (DeepSpeed refuses it too)")
+
+        @contextlib.contextmanager
+        def local_backward():
+            self._no_sync = True
+            try:
+                yield
+            finally:
+                self._no_sync = False
+        return local_backward()
+
+    def train_batch(self, data_iter=None):
+        raise RuntimeError("engine.train_batch() is the pipeline engine's (model built as trident.pipe."
+                           "PipelineModule); for this engine call loss = engine(inputs), engine.backward(loss), "
+                           "engine.step()")
+
+    def eval_batch(self, data_iter=None, *args, **kwargs):
+        raise RuntimeError("engine.eval_batch() is the pipeline engine's (model built as trident.pipe."
+                           "PipelineModule); for this engine call engine.eval() and engine(inputs) under "
+                           "torch.no_grad()")
+
     # -- training --------------------------------------------------------------------------
 
     def train(self, mode: bool = True) -> "Engine":
@@ -179,7 +239,9 @@ class Engine(BatchGetters, torch.nn.Module):
 
     def step(self) -> None:
         """Advance one micro-step; on the boundary, take the optimizer step."""
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        self._boundary_override = None  # set_gradient_accumulation_boundary holds for one micro-step
+        if boundary:
             self._boundary_step(float(self._window_loss) / self.batch.gradient_accumulation_steps)
             self._window_loss = 0.0
             self._window_open = False
@@ -264,6 +326,7 @@ class Engine(BatchGetters, torch.nn.Module):
                       ("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
             if self.loss_scaler is not None:
                 events.append(("Train/Samples/loss_scale", self.loss_scale, self.global_samples))
+            events += moe_events(self.module, self.global_samples)  # MoE: expert load, dropped share
             self.monitors.write_events(events)
             self.monitors.flush()  # as DeepSpeed's monitors do: a killed job keeps its curves
         every = self.config.steps_per_print
@@ -274,6 +337,8 @@ class Engine(BatchGetters, torch.nn.Module):
                         "n/a" if norm is None else f"{norm:.4f}", self.skipped_steps)
             if self.timers.enabled:
                 logger.info("step %d time: %s", step, self.timers.report_and_reset())
+            for line in moe_summary(self.module):
+                logger.info("step %d: %s", step, line)
 
     # -- accounting ------------------------------------------------------------------------
 
@@ -378,6 +443,12 @@ class Engine(BatchGetters, torch.nn.Module):
             collectives.barrier(group=self.ranks.group)
         return True
 
+    def save_pretrained(self, save_dir: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None):
+        """Write the transformers model inside as `from_pretrained` reads it (`trident.hf.save_pretrained`:
+        config.json and safetensors shards, whole tensors from any layout; collective)."""
+        from trident.hf.export import save_pretrained
+        return save_pretrained(self, save_dir, max_shard_size=max_shard_size, dtype=dtype)
+
     def save_adapters(self, save_dir: str, base_model_name_or_path: str | None = None, **kwargs):
         """Write the LoRA adapters, whole, in peft's format (`trident.peft.save_adapters`; collective)."""
         from trident.peft.export import save_adapters
@@ -395,7 +466,18 @@ class Engine(BatchGetters, torch.nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-        """Load a checkpoint; returns (path, client_state), or (None, None) if none exists."""
+        """Load a checkpoint; returns (path, client_state), or (None, None) if none exists.
+
+        A DeepSpeed checkpoint folder is converted first (`trident checkpoint import-deepspeed`,
+        into a temporary folder on every rank) and then loaded like a trident checkpoint."""
+        from trident.checkpointing import deepspeed_import
+        if deepspeed_import.is_deepspeed_checkpoint(load_dir, tag):
+            import tempfile
+            with tempfile.TemporaryDirectory(prefix="trident-ds-import-") as tmp:
+                folder = deepspeed_import.import_deepspeed(load_dir, f"{tmp}/ckpt", tag)
+                _, client_state = self.load_checkpoint(str(folder.parent), folder.name, load_optimizer_states,
+                                                       load_lr_scheduler_states, load_module_only)
+            return f"{load_dir}/{folder.name}", client_state
         if isinstance(self.strategy, RemoteStrategy):
             return self.strategy.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                                  load_lr_scheduler_states, load_module_only)

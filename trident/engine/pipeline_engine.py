@@ -95,7 +95,10 @@ class PipelineEngine(Engine):
         """Forward and backward M micro-batches through the pipeline, then one optimizer step.
 
         Returns the mean loss over the micro-batches (and the data-parallel replicas), on every rank.
+        Without `data_iter`, the micro-batches come from `initialize(training_data=...)`'s loader,
+        repeated (DeepSpeed's behaviour).
         """
+        data_iter = data_iter if data_iter is not None else self._default_data_iter()
         self.module.train()
         split = next(i for i, instr in enumerate(self.train_program) if isinstance(instr, STEP))
         self._post_tied_receives()
@@ -112,6 +115,14 @@ class PipelineEngine(Engine):
             self._step_handlers[type(instr)]()
         self.micro_steps += self.micro_batches
         return torch.tensor(self.last_loss)
+
+    def _default_data_iter(self) -> Iterator | None:
+        if self.training_dataloader is None:
+            return None
+        if getattr(self, "_repeating", None) is None:
+            from trident.utils.repeating_loader import RepeatingLoader
+            self._repeating = RepeatingLoader(self.training_dataloader)
+        return self._repeating
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
@@ -144,7 +155,9 @@ class PipelineEngine(Engine):
         mesh = self.mesh
         share = 0.0
         if self.is_last_stage() and result.losses:
-            share = sum(result.losses) / len(result.losses) / (mesh.dp_size * mesh.tp_size)
+            # every last-stage rank (dp x cp x ep x tp of them) adds its share; cp and tp ranks
+            # report the same batch's loss, dp and ep ranks their own batches'
+            share = sum(result.losses) / len(result.losses) / (mesh.world_size // mesh.pp_size)
         status = torch.tensor([1.0 if result.error else 0.0, share], dtype=torch.float64,
                               device=self.executor.device)
         collectives.all_reduce(status, group=mesh.mesh_group)

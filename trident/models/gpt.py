@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trident.comm.logger import CommsLogger
+from trident.moe.spec import MoESpec
+from trident.context_parallel.attention import attention as context_parallel_attention
 from trident.parallel.rng import RNGTracker
 from trident.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from trident.tensor_parallel.dropout import SequenceParallelDropout, unit_dropout_mask
@@ -48,8 +50,11 @@ class GPTConfig:
     bias: bool = True
     tie_embeddings: bool = True
     init_std: float = 0.02
+    moe: MoESpec | dict | None = None  # mixture-of-experts MLPs (trident.moe); None = dense
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            self.moe = MoESpec(**self.moe)
         for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
             if getattr(self, key) < 1:
                 raise ValueError(f"GPTConfig.{key} must be >= 1, got {getattr(self, key)}")
@@ -122,13 +127,16 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.head_rng: list[torch.Generator] | None = None
+        self.cp = None  # a ContextParallel when the sequence is split over cp ranks
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`doc_ids` [B, T]: the document of each position of a packed sequence; a query then
         attends only to earlier positions of its own document. None = one document per row."""
         q, k, v = self.split_heads(self.qkv(x))
         p = self.attn_dropout if self.training else 0.0
-        if self.head_rng is not None and p > 0:
+        if self.cp is not None:
+            y = context_parallel_attention(q, k, v, causal=True, doc_ids=doc_ids, cp=self.cp)
+        elif self.head_rng is not None and p > 0:
             y = self.attend_with_head_dropout(q, k, v, p, doc_ids)
         elif doc_ids is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
@@ -187,18 +195,26 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """Pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
 
-    def __init__(self, cfg: GPTConfig):
+    With `cfg.moe`, block `layer` (0-based) has a mixture-of-experts `mlp` (a `trident.moe.MoE`
+    of `MLP` experts) when `cfg.moe.is_moe_layer(layer)`; its last auxiliary loss is kept in
+    `aux_loss` for the model's loss."""
+
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = cfg.moe.build(cfg.d_model, MLP(cfg), layer) if cfg.moe and cfg.moe.is_moe_layer(layer) else MLP(cfg)
+        self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), doc_ids)
-        return x + self.mlp(self.ln_2(x))
+        y = self.mlp(self.ln_2(x))
+        if isinstance(y, tuple):  # MoE: (output, aux_loss, expert_counts)
+            y, self.aux_loss, _ = y
+        return x + y
 
 
 class GPT(nn.Module):
@@ -213,7 +229,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -221,6 +237,7 @@ class GPT(nn.Module):
         self.tp: TPHandle | None = None
         self.sequence_parallel = False
         self.rng_tracker: RNGTracker | None = None
+        self.cp = None  # ContextParallel, set by parallelize_context
         if mesh is not None:
             self.parallelize_tensor(mesh, sequence_parallel=sequence_parallel, logger=logger, rng_seed=rng_seed)
         elif sequence_parallel:
@@ -246,8 +263,13 @@ class GPT(nn.Module):
         if sequence_parallel and cfg.seq_len % tp:
             raise ValueError(f"GPT: seq_len={cfg.seq_len} is not divisible by tensor_parallel.size={tp}; sequence "
                              f"parallelism splits the sequence, so choose a seq_len that is a multiple of {tp}")
+        if sequence_parallel and cfg.moe:
+            raise ValueError("GPT: sequence_parallel with model.moe is not supported: the experts are replicated "
+                             "over tp and need every tp rank's tokens; turn sequence_parallel off")
         plan = {"embed.wte": Vocab(), "attn.qkv": Column(), "attn.proj": Row(), "mlp.fc": Column(),
                 "mlp.proj": Row(), "lm_head": Column(pad_vocab=True)}
+        if all(not isinstance(b.mlp, MLP) for b in self.blocks):  # every MLP is an MoE: experts stay whole
+            del plan["mlp.fc"], plan["mlp.proj"]
         apply_plan(self, plan, mesh, sequence_parallel=sequence_parallel, logger=logger)
         self.tp, self.sequence_parallel = TPHandle(mesh, logger), sequence_parallel
         device = self.lm_head.weight.device
@@ -260,6 +282,33 @@ class GPT(nn.Module):
             block.attn.head_rng = self.rng_tracker.unit_generators(f"blocks.{i}.attn", heads)
         if sequence_parallel:
             self._shard_sequence(mesh, logger)
+
+    def parallelize_context(self, cp) -> None:
+        """Split every sequence over `cp`'s ranks (a trident.context_parallel.ContextParallel).
+
+        Each rank then embeds, transforms and scores only its chunks of the sequence, at their
+        global positions; attention reaches the other chunks through the ring or Ulysses, and
+        the loss is the mean over every token of the sequence. Attention dropout has no
+        context-parallel form here and is refused.
+        """
+        cfg = self.config
+        if cfg.dropout > 0:
+            raise ValueError(f"GPT: dropout={cfg.dropout} under context parallelism is not supported (ring and "
+                             f"Ulysses attention have no attention dropout); set model dropout to 0 or "
+                             f"context_parallel.size to 1")
+        if getattr(cfg, "moe", None):
+            raise ValueError("GPT: context parallelism with mixture-of-experts blocks (model.moe) is not supported: "
+                             "routing capacity and the auxiliary losses are defined over whole sequences of the "
+                             "data-parallel ranks; set context_parallel.size to 1 or use a dense model")
+        cp.check_length(cfg.seq_len, "GPT's seq_len")
+        heads = cfg.n_head // (self.tp.size if self.tp is not None else 1)
+        if cp.method != "ring" and heads % cp.ulysses_size:
+            raise ValueError(f"GPT: {heads} attention heads per tensor-parallel rank are not divisible by the "
+                             f"Ulysses size {cp.ulysses_size}; Ulysses splits heads, so choose "
+                             f"context_parallel.size (or ulysses_size) dividing {heads}, or method 'ring'")
+        self.cp = cp
+        for block in self.blocks:
+            block.attn.cp = cp
 
     def _shard_sequence(self, mesh, logger: CommsLogger | None) -> None:
         """Sequence parallelism: position slices, sliced dropout masks, LayerNorm grads summed over tp."""
@@ -293,7 +342,8 @@ class GPT(nn.Module):
                 nn.init.zeros_(param)
             elif ".ln_" in name or name.startswith("ln_f"):
                 nn.init.ones_(param)
-            elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            elif name.endswith(("attn.proj.weight", "mlp.proj.weight")) or (".experts." in name
+                                                                            and name.endswith(".proj.weight")):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
             else:
                 nn.init.normal_(param, mean=0.0, std=self.config.init_std)
@@ -312,16 +362,50 @@ class GPT(nn.Module):
         if self.sequence_parallel and idx.shape[1] % self.tp.size:
             raise ValueError(f"input has {idx.shape[1]} tokens, not divisible by tp={self.tp.size}; "
                              f"sequence parallelism splits the sequence evenly, so pad or truncate the input")
+        if self.cp is not None:
+            return self._forward_context_parallel(idx, targets, position_ids, doc_ids)
         x = self.embed(idx, position_ids)
         for block in self.blocks:
             x = block(x) if doc_ids is None else block(x, doc_ids)
         logits = self.lm_head(self.ln_f(x))
         if self.tp is None:
-            return logits if targets is None else self.loss(logits, targets)
+            return logits if targets is None else self.loss(logits, targets) + self.moe_loss()
         if targets is None:  # this rank holds a slice of the (padded) vocabulary: gather and trim
             return gather_from_tp_region(logits, self.tp.group, self.tp.logger)[..., :self.config.vocab_size]
         return vocab_parallel_cross_entropy(logits, targets, self.tp.group, vocab_size=self.config.vocab_size,
-                                            logger=self.tp.logger)
+                                            logger=self.tp.logger) + self.moe_loss()
+
+    def moe_loss(self) -> torch.Tensor | float:
+        """The MoE blocks' auxiliary losses of the last forward, summed (0.0 for a dense model)."""
+        losses = [b.aux_loss for b in self.blocks.modules() if isinstance(b, Block) and b.aux_loss is not None]
+        return sum(losses[1:], losses[0]) if losses else 0.0
+
+    def _forward_context_parallel(self, idx, targets, position_ids, doc_ids) -> torch.Tensor:
+        """The forward on this cp rank's chunks of every sequence (full-length inputs in)."""
+        cp, t = self.cp, idx.shape[1]
+        cp.check_length(t)
+        if self.sequence_parallel and (t // cp.size) % self.tp.size:
+            raise ValueError(f"input has {t} tokens: {t // cp.size} per cp rank, not divisible by tp="
+                             f"{self.tp.size} for sequence parallelism; use a multiple of {cp.size * self.tp.size}")
+        positions = torch.arange(t, device=idx.device) if position_ids is None else position_ids
+        idx, positions = cp.shard(idx), cp.shard(positions, dim=-1)
+        doc_ids = cp.shard(doc_ids) if doc_ids is not None else None
+        x = self.embed(idx, positions)
+        for block in self.blocks:
+            x = block(x, doc_ids)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            if self.tp is not None:
+                logits = gather_from_tp_region(logits, self.tp.group, self.tp.logger)[..., :self.config.vocab_size]
+            return cp.unshard(logits.detach())
+        targets = cp.shard(targets)
+        if self.tp is None:
+            total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                    reduction="sum")
+        else:
+            total = vocab_parallel_cross_entropy(logits, targets, self.tp.group, vocab_size=self.config.vocab_size,
+                                                 logger=self.tp.logger, reduction="sum")
+        return cp.global_mean(total, (targets != -100).sum())
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

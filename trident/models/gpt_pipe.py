@@ -60,13 +60,18 @@ class TokenEmbedding(nn.Embedding):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__(cfg.vocab_size, cfg.d_model)
         self.seq_len = cfg.seq_len
+        self.cp = None
         _init_like_gpt(self, cfg)
+
+    def parallelize_context(self, cp) -> None:
+        """Under context parallelism the first stage takes whole sequences in and embeds its shard."""
+        self.cp = cp
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if idx.shape[1] > self.seq_len:
             raise ValueError(f"input has {idx.shape[1]} tokens but the model's seq_len is {self.seq_len}; "
                              f"truncate the input or build a longer model")
-        return super().forward(idx)
+        return super().forward(idx if self.cp is None else self.cp.shard(idx))
 
 
 def tied_logits(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
@@ -81,18 +86,57 @@ class PositionEmbedding(nn.Module):
         super().__init__()
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
+        self.cp = None
         _init_like_gpt(self, cfg)
 
+    def parallelize_context(self, cp) -> None:
+        """Under context parallelism `x` is this cp rank's shard: add its global positions."""
+        self.cp = cp
+
+    def positions(self, local_len: int, device) -> torch.Tensor:
+        """Positions of a local sequence of `local_len` tokens (global ones under cp)."""
+        if self.cp is None:
+            return torch.arange(local_len, device=device)
+        return self.cp.positions(local_len * self.cp.size, device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(x + self.wpe(torch.arange(x.shape[1], device=x.device)))
+        return self.drop(x + self.wpe(self.positions(x.shape[1], x.device)))
 
 
 class PipeBlock(Block):
-    """GPT's transformer block, initialised as GPT initialises it."""
+    """GPT's transformer block `layer`, initialised as GPT initialises it."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
+        if cfg.moe and cfg.moe.is_moe_layer(layer) and (cfg.moe.aux_loss_coef or cfg.moe.z_loss_coef):
+            raise ValueError("gpt_pipe: MoE auxiliary losses are not carried through the pipeline to the last "
+                             "stage's loss; set model.moe.aux_loss_coef and z_loss_coef to 0 under pipeline parallelism")
+        super().__init__(cfg, layer)
+        self.dropout = cfg.dropout
         _init_like_gpt(self, cfg)
+
+    def parallelize_context(self, cp) -> None:
+        """Attention over the whole sequence from this cp rank's shard (see GPT.parallelize_context)."""
+        if self.dropout > 0:
+            raise ValueError(f"gpt_pipe: dropout={self.dropout} under context parallelism is not supported (ring "
+                             f"and Ulysses attention have no attention dropout); set model dropout to 0")
+        self.attn.cp = cp
+
+
+class GPTLoss:
+    """GPT's mean cross-entropy; under context parallelism, over every cp rank's tokens."""
+
+    def __init__(self) -> None:
+        self.cp = None
+
+    def parallelize_context(self, cp) -> None:
+        self.cp = cp
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.cp is None:
+            return GPT.loss(logits, targets)
+        targets = self.cp.shard(targets)
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")
+        return self.cp.global_mean(total, (targets != -100).sum())
 
 
 class FinalNorm(nn.LayerNorm):
@@ -123,15 +167,22 @@ class TPTokenEmbedding(VocabParallelEmbedding):
         super().__init__(cfg.vocab_size, cfg.d_model, mesh, sequence_parallel=sequence_parallel,
                          _full=TokenEmbedding(cfg))
         self.seq_len = cfg.seq_len
+        self.cp = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if idx.shape[1] > self.seq_len:
             raise ValueError(f"input has {idx.shape[1]} tokens but the model's seq_len is {self.seq_len}; "
                              f"truncate the input or build a longer model")
+        if self.cp is not None:
+            idx = self.cp.shard(idx)
         if self.sequence_parallel and idx.shape[1] % self.tp_size:
-            raise ValueError(f"input has {idx.shape[1]} tokens, not divisible by tp={self.tp_size}; sequence "
-                             f"parallelism splits the sequence evenly, so pad or truncate the input")
+            raise ValueError(f"input has {idx.shape[1]} tokens (per cp rank), not divisible by tp={self.tp_size}; "
+                             f"sequence parallelism splits the sequence evenly, so pad or truncate the input")
         return super().forward(idx)
+
+    def parallelize_context(self, cp) -> None:
+        """Under context parallelism the first stage takes whole sequences in and embeds its shard."""
+        self.cp = cp
 
 
 def tp_tied_logits(embedding: TPTokenEmbedding, x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +210,7 @@ class TPPositionEmbedding(PositionEmbedding):
         if self.shard is None:
             return super().forward(x)
         rank, size = self.shard
-        positions = torch.arange(x.shape[1] * size, device=x.device).chunk(size)[rank]
+        positions = self.positions(x.shape[1] * size, x.device).chunk(size)[rank]
         return self.drop(x + self.wpe(positions))
 
 
@@ -205,9 +256,18 @@ class VocabParallelLoss:
 
     def __init__(self, mesh, vocab_size: int) -> None:
         self.group, self.vocab_size = mesh.tp_group, vocab_size
+        self.cp = None
+
+    def parallelize_context(self, cp) -> None:
+        self.cp = cp
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits.float(), targets, self.group, vocab_size=self.vocab_size)
+        if self.cp is None:
+            return vocab_parallel_cross_entropy(logits.float(), targets, self.group, vocab_size=self.vocab_size)
+        targets = self.cp.shard(targets)
+        total = vocab_parallel_cross_entropy(logits.float(), targets, self.group, vocab_size=self.vocab_size,
+                                             reduction="sum")
+        return self.cp.global_mean(total, (targets != -100).sum())
 
 
 def _tp_layers(cfg: GPTConfig, mesh, sequence_parallel: bool, rng_seed: int) -> list[LayerSpec]:
@@ -228,7 +288,7 @@ def gpt_layers(cfg: GPTConfig) -> list[LayerSpec]:
         last = TiedLayerSpec("embed", TokenEmbedding, cfg, forward_fn=tied_logits)
     else:
         first, last = LayerSpec(TokenEmbedding, cfg), LayerSpec(LMHead, cfg)
-    blocks = [LayerSpec(PipeBlock, cfg) for _ in range(cfg.n_layer)]
+    blocks = [LayerSpec(PipeBlock, cfg, i) for i in range(cfg.n_layer)]
     return [first, LayerSpec(PositionEmbedding, cfg), *blocks, LayerSpec(FinalNorm, cfg), last]
 
 
@@ -252,7 +312,7 @@ def gpt_pipe(cfg: GPTConfig, num_stages: int, partition_method: str = "type:Bloc
     elif sequence_parallel:
         raise ValueError("gpt_pipe: sequence_parallel=True needs mesh=<ParallelMesh> with tp > 1")
     else:
-        layers, loss = gpt_layers(cfg), GPT.loss
+        layers, loss = gpt_layers(cfg), GPTLoss()
     return PipelineModule(layers, num_stages=num_stages, loss_fn=loss,
                           partition_method=partition_method, virtual_stages=virtual_stages,
                           activation_checkpoint_interval=activation_checkpoint_interval, stage_id=stage_id)

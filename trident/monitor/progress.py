@@ -20,6 +20,7 @@ _FIELDS = (
     ("tokens_per_s", "tok/s", "{:,.0f}"),
     ("loss_scale", "scale", "{:g}"),
     ("lr", "lr", "{:.2e}"),
+    ("pad_share", "pad", "{:.1%}"),
 )
 
 
@@ -38,7 +39,7 @@ class ProgressBar:
     """Step counter with loss, tokens/s, loss scale and learning rate.
 
     `update(step, metrics)` is called once per optimizer step with the 1-based step number and a
-    dict holding any of `loss`, `tokens_per_s`, `loss_scale`, `lr`.
+    dict holding any of `loss`, `tokens_per_s`, `loss_scale`, `lr`, `pad_share`.
     """
 
     def __init__(self, total_steps: int, enabled: bool = True, stream: IO[str] | None = None,

@@ -314,11 +314,11 @@ def _shown_axes(topology: Topology) -> list[str]:
 
 def gradient_group(mesh: ParallelMesh, params) -> dist.ProcessGroup:
     """The one group a strategy reduces (or partitions) `params` over: `mesh.gradient_group` of
-    each, which must agree. Expert weights replicate over fewer axes than dense ones and need a
-    strategy that reduces them separately; none exists until expert parallelism lands."""
+    each, which must agree. Expert weights replicate over fewer axes than dense ones, so the
+    strategies keep them in groups of their own (trident.moe)."""
     axes = {mesh.gradient_axes(p) for p in params}
     if len(axes) > 1:
         raise ValueError(f"parameters replicated over different mesh axes {sorted(axes)} (expert weights, marked "
-                         "expert_parallel=True, beside dense ones) need expert parallelism, which is not "
-                         "implemented yet; remove the expert_parallel marks")
+                         "expert_parallel=True, beside dense ones) were given to one reduction group; pass the "
+                         "expert weights and the dense ones in separate groups")
     return mesh.group(*axes.pop()) if axes else mesh.dp_group

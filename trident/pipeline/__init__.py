@@ -4,6 +4,7 @@
     gpipe, one_f_one_b, interleaved_1f1b, zb_h1   schedules as pure functions (schedules.py)
     simulate, check_schedule, Costs               timelines, bubbles, well-formedness (simulate.py)
     StageExecutor                                 runs a stage's instructions (executor.py)
+    from_hf, hf_state_dict                        a transformers decoder model split into stages (hf.py)
 
 The engine that drives them is `trident.engine.pipeline_engine.PipelineEngine`.
 """
@@ -24,6 +25,7 @@ from trident.pipeline.instructions import (
     SendActivation,
     SendGrad,
 )
+from trident.pipeline.hf import HFPipelineModule, from_hf, hf_shard_specs, hf_state_dict, load_hf_state_dict
 from trident.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from trident.pipeline.partition import partition_balanced, partition_uniform
 from trident.pipeline.schedules import (
@@ -39,10 +41,11 @@ from trident.pipeline.schedules import (
 from trident.pipeline.simulate import Costs, ScheduleError, Timeline, check_schedule, simulate
 
 __all__ = [
-    "Backward", "BackwardInput", "BackwardWeight", "Costs", "Forward", "Instruction", "LayerSpec",
+    "Backward", "BackwardInput", "BackwardWeight", "Costs", "Forward", "HFPipelineModule", "Instruction", "LayerSpec",
     "LoadMicroBatch", "OptimizerStep", "PipelineError", "PipelineModule", "RecvActivation", "RecvGrad",
     "ReduceGrads", "ReduceTiedGrads", "SCHEDULES", "ScheduleError", "SendActivation", "SendGrad",
     "StageExecutor", "TiedLayerSpec", "Timeline", "build_all", "build_schedule", "check_schedule",
-    "forward_only", "gpipe", "interleaved_1f1b", "one_f_one_b", "partition_balanced", "partition_uniform",
+    "forward_only", "from_hf", "gpipe", "hf_shard_specs", "hf_state_dict", "interleaved_1f1b",
+    "load_hf_state_dict", "one_f_one_b", "partition_balanced", "partition_uniform",
     "simulate", "zb_h1",
 ]

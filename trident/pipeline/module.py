@@ -233,11 +233,15 @@ def _params_to_buffers(module: nn.Module) -> list[str]:
     """Turn a tied copy's parameters into buffers (this stage reads them but does not train
     them); returns their names."""
     names = []
+    copies: dict[int, torch.Tensor] = {}  # a weight two submodules share (embedding, tied head) stays one
     for prefix, sub in module.named_modules():
         for name, param in list(sub._parameters.items()):
             if param is not None:
                 del sub._parameters[name]
-                copy = param.detach()
+                if id(param) in copies:
+                    sub.register_buffer(name, copies[id(param)])
+                    continue
+                copy = copies[id(param)] = param.detach()
                 for attr in _TP_ATTRS:  # a tensor-parallel slice stays described as one
                     if hasattr(param, attr):
                         setattr(copy, attr, getattr(param, attr))

@@ -13,8 +13,10 @@ each reduced over the network in parallel (every GPU has its own share of the no
 then all-gather inside the node. `LINK_EFFICIENCY` is the share of a link's rate that NCCL's
 bus bandwidth reaches on large messages.
 
-Ranks are ordered (pp, dp, tp), tp fastest, so a tp group is consecutive ranks, a dp group
-strides by tp and a pp neighbour is tp * dp ranks away.
+Ranks are ordered (pp, dp, cp, ep, tp), tp fastest, so a tp group is consecutive ranks, a dp
+group strides by tp and a pp neighbour is tp * dp ranks away (times cp and ep when they are > 1).
+Context parallelism adds its attention traffic (`context_parallel_traffic`) and joins the
+gradient reduction: the "dp" group is dp x cp ranks.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trident.planner.layout import Layout, Workload, grad_accumulation, stage_layers
-from trident.planner.memory import StateBytes, rank_parameter_counts
+from trident.planner.layout import Layout, Workload, cp_groups, grad_accumulation, local_seq_len, stage_layers
+from trident.planner.memory import StateBytes, cp_kv_dim, rank_parameter_counts
 from trident.planner.presets import Cluster, ModelSpec
 
 LINK_EFFICIENCY = 0.8
@@ -63,9 +65,17 @@ class GroupSpan:
 
 
 def group_span(axis: str, layout: Layout, gpus_per_node: int) -> GroupSpan:
-    """How the tp, dp or pp group of rank 0 sits on nodes of `gpus_per_node` GPUs."""
-    stride = {"tp": 1, "dp": layout.tp, "pp": layout.tp * layout.dp}[axis]
-    size = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp}[axis]
+    """How the tp, ep, cp, dp or pp group of rank 0 sits on nodes of `gpus_per_node` GPUs.
+
+    Mesh order (pp, dp, cp, ep, tp): a cp group strides by tp x ep; "dp" is the gradient
+    reduction group, dp x cp (cp ranks hold the same weights), cp inside it."""
+    inner = layout.tp * layout.ep
+    stride = {"tp": 1, "ep": layout.tp, "cp": inner, "dp": inner, "pp": inner * layout.cp * layout.dp}[axis]
+    size = {"tp": layout.tp, "ep": layout.ep, "cp": layout.cp, "dp": layout.dp * layout.cp, "pp": layout.pp}[axis]
+    return _span(size, stride, gpus_per_node)
+
+
+def _span(size: int, stride: int, gpus_per_node: int) -> GroupSpan:
     per_node = max(1, min(size, gpus_per_node // stride)) if stride <= gpus_per_node else 1
     return GroupSpan(size, per_node, -(-size // per_node))
 
@@ -93,7 +103,7 @@ def p2p_time(size: float, cluster: Cluster, layout: Layout) -> float:
     """One pipeline send between neighbouring stages. Across nodes the tp ranks each send 1/tp
     of the tensor over their own adapters (Megatron's scatter/gather) and all-gather it after."""
     intra, inter = _links(cluster)
-    if layout.tp * layout.dp < cluster.gpus_per_node:
+    if layout.world_size // layout.pp < cluster.gpus_per_node:
         return intra.latency + size / intra.bandwidth
     if layout.tp > 1:
         return inter.latency + size / layout.tp / inter.bandwidth + ring_reduce_scatter(size, layout.tp, intra)
@@ -111,6 +121,8 @@ class Traffic:
     calls: int
     seconds: float
     overlapped: bool
+    exposed: float | None = None  # seconds on the critical path when known here (cp's ring: not all hidden)
+    phase: str = ""  # "forward" or "backward" when the traffic belongs to one (cp)
 
     @property
     def bytes_per_step(self) -> float:
@@ -159,7 +171,7 @@ def tensor_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workload
         return []
     span = group_span("tp", layout, cluster.gpus_per_node)
     gas = grad_accumulation(layout, workload) or 1
-    size = layout.micro_batch * workload.seq_len * model.d_model * workload.activation_bytes
+    size = layout.micro_batch * local_seq_len(layout, workload) * model.d_model * workload.activation_bytes
     per_layer = 4 + (2 if layout.activation_checkpointing == "full" else 0)
     calls = gas * (per_layer * stage_layers(model, layout.pp) + 2)
     if layout.sequence_parallel:
@@ -175,11 +187,121 @@ def pipeline_traffic(model: ModelSpec, layout: Layout, workload: Workload, clust
     if layout.pp <= 1:
         return []
     gas = grad_accumulation(layout, workload) or 1
-    size = layout.micro_batch * workload.seq_len * model.d_model * workload.activation_bytes
+    size = layout.micro_batch * local_seq_len(layout, workload) * model.d_model * workload.activation_bytes
     v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
     calls = 2 * gas * v
     return [Traffic("pp", "send/recv", "activations and their gradients", size, calls,
                     calls * p2p_time(size, cluster, layout), False)]
+
+
+def moe_all_to_all_bytes(tokens: float, d_model: int, k: int, ep: int, bytes_per: int) -> float:
+    """Bytes one rank sends to other ep ranks per MoE layer in forward (as much again in
+    backward): dispatch and combine each move tokens x k rows of d_model values, (ep - 1) / ep
+    of them to other ranks when routing is even. What trident's comms logger records."""
+    return 2 * tokens * d_model * k * bytes_per * (ep - 1) / ep
+
+
+def expert_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster) -> list[Traffic]:
+    """Per MoE layer and micro-batch: dispatch and combine all-to-alls in forward and their
+    conjugates in backward (two more with full recomputation), on the critical path. Each
+    moves micro x seq x k rows of d_model values; priced like a reduce-scatter of that size."""
+    if layout.ep <= 1 or not model.num_experts:
+        return []
+    span = group_span("ep", layout, cluster.gpus_per_node)
+    gas = grad_accumulation(layout, workload) or 1
+    tokens = layout.micro_batch * local_seq_len(layout, workload)  # cp: this rank's tokens
+    size = tokens * model.moe_k * model.d_model * workload.activation_bytes
+    per_layer = 4 + (2 if layout.activation_checkpointing == "full" else 0)
+    moe_layers = model.moe_layers * stage_layers(model, layout.pp) // model.n_layer
+    calls = gas * per_layer * moe_layers
+    return [Traffic("ep", "all_to_all", "token rows to and from experts", size, calls,
+                    calls * collective_time("reduce_scatter", size, span, cluster), False)]
+
+
+def all_to_all_time(size: float, span: GroupSpan, cluster: Cluster) -> float:
+    """One all-to-all in which every rank sends `size` bytes split evenly over the n ranks of
+    `span` ((n - 1) / n of it leaves the rank, to n - 1 peers): the share for peers on other
+    nodes goes over the network while the rest goes over NVLink."""
+    if span.size <= 1:
+        return 0.0
+    intra, inter = _links(cluster)
+    n, k = span.size, span.per_node
+    near = (k - 1) * intra.latency + (k - 1) / n * size / intra.bandwidth if k > 1 else 0.0
+    far = (n - k) * inter.latency + (n - k) / n * size / inter.bandwidth if n > k else 0.0
+    return max(near, far)
+
+
+def cp_block_bytes(model: ModelSpec, layout: Layout, workload: Workload) -> tuple[float, float]:
+    """(k/v block, dK/dV block) bytes one ring step moves per micro-batch and layer: keys and
+    values of the rank's b x s/C tokens ([B, H_kv, T/C, D] twice) in the activation format, and
+    their gradients in fp32. Under hybrid the block is [B, H_kv/U, U T/C, D]: the same bytes."""
+    tokens = layout.micro_batch * local_seq_len(layout, workload)
+    kv = cp_kv_dim(model, layout.tp)
+    return tokens * 2 * kv * workload.activation_bytes, tokens * 2 * kv * 4
+
+
+def ulysses_bytes(model: ModelSpec, layout: Layout, workload: Workload) -> float:
+    """Bytes of one direction's four Ulysses all-to-alls (q, k, v and the output forward; their
+    gradients backward) per micro-batch and layer: b (s/C) (2 h + 2 kv_dim) e, each a rank's
+    whole tensor (per tp rank: h / tp, kv_dim / tp)."""
+    tokens = layout.micro_batch * local_seq_len(layout, workload)
+    return tokens * (2 * model.d_model / layout.tp + 2 * cp_kv_dim(model, layout.tp)) * workload.activation_bytes
+
+
+def context_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster) -> list[Traffic]:
+    """cp's attention traffic per optimizer step (Liu et al. 2023, ring attention; Jacobs et al.
+    2023, DeepSpeed-Ulysses), per layer and micro-batch:
+
+      ring (R ranks)  forward: R - 1 sends of the k/v block; backward: R - 1 k/v blocks and R
+                      fp32 dK/dV blocks (the gradients travel home with their block); full
+                      recompute runs the forward's R - 1 sends again. Each ring step's sends run
+                      while the step's block is computed (forward: f = the layer's attention
+                      FLOPs on this rank / R; backward 2 f) and only what exceeds it is exposed.
+      Ulysses (U)     4 all-to-alls forward (q, k, v, out) and 4 backward (6 with full
+                      recompute), b (s/C) (2 h + 2 kv_dim) e bytes per direction, blocking.
+      hybrid          Ulysses inside groups of U, the ring across the C / U groups.
+
+    The attention FLOPs are the time model's (the whole sequence per token, not halved for
+    the causal mask): the same compute the step time charges."""
+    if layout.cp <= 1:
+        return []
+    gas = grad_accumulation(layout, workload) or 1
+    layers = stage_layers(model, layout.pp)
+    full = layout.activation_checkpointing == "full"
+    u, ring = cp_groups(layout, workload)
+    out = []
+    if u > 1:  # a Ulysses group: u consecutive cp ranks; a ring: every u-th
+        span = _span(u, layout.tp * layout.ep, cluster.gpus_per_node)
+        size = ulysses_bytes(model, layout, workload) / 4  # the four all-to-alls' mean size
+        one = all_to_all_time(size, span, cluster)
+        for phase, per_layer in (("forward", 4), ("backward", 4 + (4 if full else 0))):
+            calls = gas * layers * per_layer
+            what = f"Ulysses q, k, v, out{' (and gradients)' if phase == 'backward' else ''}, {phase}" + (
+                " + recomputed forward" if phase == "backward" and full else "")
+            out.append(Traffic("cp", "all_to_all", what, size, calls, calls * one, False, calls * one, phase))
+    if ring > 1:
+        kv_bytes, dkv_bytes = cp_block_bytes(model, layout, workload)
+        spans_nodes = _span(ring, layout.tp * layout.ep * u, cluster.gpus_per_node).nodes > 1
+        intra, inter = _links(cluster)
+        link = inter if spans_nodes else intra
+        t_kv, t_dkv = (link.latency + n / link.bandwidth for n in (kv_bytes, dkv_bytes))
+        g = cluster.gpu
+        attention_flops = (layout.micro_batch * local_seq_len(layout, workload) * model.forward_flops_per_token(
+            workload.seq_len)[1] / model.n_layer / layout.tp)
+        f = attention_flops / ring / (g.peak_flops * g.gemm_efficiency)  # one ring step's block, forward
+        per = gas * layers
+        fwd = max(0.0, t_kv - f)
+        bwd_kv = (ring - 1) * max(0.0, t_kv - 2 * f) + ((ring - 1) * fwd if full else 0.0)
+        bwd_dkv = (ring - 1) * (max(0.0, t_kv + t_dkv - 2 * f) - max(0.0, t_kv - 2 * f)) + max(0.0, t_dkv - 2 * f)
+        sends = per * (ring - 1)
+        out += [Traffic("cp", "send/recv", "ring k/v blocks, forward", kv_bytes, sends, sends * t_kv, True,
+                        sends * fwd, "forward"),
+                Traffic("cp", "send/recv", "ring k/v blocks, backward" + (" + recomputed forward" if full else ""),
+                        kv_bytes, sends * (2 if full else 1), sends * (2 if full else 1) * t_kv, True, per * bwd_kv,
+                        "backward"),
+                Traffic("cp", "send/recv", "ring fp32 dK/dV blocks, backward", dkv_bytes, per * ring,
+                        per * ring * t_dkv, True, per * bwd_dkv, "backward")]
+    return out
 
 
 def step_traffic(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster,
@@ -187,6 +309,8 @@ def step_traffic(model: ModelSpec, layout: Layout, workload: Workload, cluster: 
     """Every collective one rank takes part in per optimizer step."""
     return (data_parallel_traffic(model, layout, workload, cluster, state)
             + tensor_parallel_traffic(model, layout, workload, cluster)
+            + expert_parallel_traffic(model, layout, workload, cluster)
+            + context_parallel_traffic(model, layout, workload, cluster)
             + pipeline_traffic(model, layout, workload, cluster))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from trident.planner.comm import Traffic, step_traffic
-from trident.planner.layout import Layout, Workload, grad_accumulation, layout_problems
+from trident.planner.layout import Layout, Workload, attention_kind, grad_accumulation, layout_problems
 from trident.planner.memory import (PLACE, MemoryEstimate, StateBytes, activation_memory, memory_estimate,
                                     mixed_precision_bytes, rank_parameter_counts)
 from trident.planner.presets import Cluster, GiB, ModelSpec, model_preset
@@ -51,6 +51,7 @@ class Estimate:
         m = self.memory
         return {
             "model": self.model.name, "parameters": self.model.num_parameters(),
+            "active_parameters": self.model.active_parameters(),
             "rank_parameters_trainable": rank_parameter_counts(self.model, self.layout, self.workload)[1],
             "layout": asdict(self.layout), "workload": asdict(self.workload),
             "cluster": {"gpu": self.cluster.gpu.name, "num_gpus": self.cluster.num_gpus,
@@ -75,10 +76,10 @@ class Estimate:
         gas = grad_accumulation(self.layout, w)
         lines = [f"model    {self.model.describe()}",
                  f"cluster  {c.num_gpus} x {c.gpu.name}, {c.gpus_per_node} per node ({c.num_nodes} nodes)",
-                 f"layout   {self.layout.describe()}",
+                 f"layout   {self.layout.describe()}" + _cp_text(self.layout, w),
                  f"batch    {w.global_batch} sequences x {w.seq_len} tokens = {w.tokens_per_step():,} tokens per step"
                  + (f" ({gas} micro-batches of {self.layout.micro_batch} per rank)" if gas else ""),
-                 f"format   {w.precision}, {w.optimizer}, {w.attention} attention" + (", dropout" if w.dropout else "")]
+                 f"format   {w.precision}, {w.optimizer}, {attention_kind(self.layout, w)} attention" + (", dropout" if w.dropout else "")]
         if w.lora_r:
             params, trainable = rank_parameter_counts(self.model, self.layout, w)
             lines.append(f"LoRA     r={w.lora_r} on {','.join(w.lora_targets)}: {trainable:,.0f} trainable of "
@@ -111,7 +112,7 @@ class Estimate:
         for t in self.traffic:
             lines.append(f"  {t.axis} {t.op:<29}{_human(t.bytes_per_call):>10}{t.calls:>8}"
                          f"{_human(t.bytes_per_step):>12}{t.seconds:>10.3f}  "
-                         f"{'overlapped' if t.overlapped else 'yes'}: {t.what}")
+                         f"{_critical(t)}: {t.what}")
         if not self.traffic:
             lines.append("  (none: one rank)")
         return lines
@@ -119,10 +120,29 @@ class Estimate:
     def _time_lines(self) -> list[str]:
         t = self.time
         return [f"time per step  {t.step:.3f} s = compute {t.compute:.3f} + tp {t.tp_comm:.3f} + pp {t.pp_comm:.3f}"
-                f" + dp exposed {t.dp_comm_exposed:.3f} + bubble {t.bubble:.3f} + optimizer {t.optimizer:.3f}",
+                + (f" + cp {t.cp_comm:.3f}" if self.layout.cp > 1 else "")
+                + f" + dp exposed {t.dp_comm_exposed:.3f} + bubble {t.bubble:.3f} + optimizer {t.optimizer:.3f}",
                 f"throughput     {t.tokens_per_s:,.0f} tokens/s ({t.tokens_per_s_per_gpu:,.1f} per GPU), "
                 f"{t.model_flops_per_gpu / 1e12:.1f} model TFLOP/s per GPU, MFU {100 * t.mfu:.1f}%, "
                 f"HFU {100 * t.hfu:.1f}%"]
+
+
+def _cp_text(layout: Layout, workload: Workload) -> str:
+    if layout.cp <= 1:
+        return ""
+    method = workload.cp_method + (f", Ulysses groups of {workload.cp_ulysses_size}"
+                                   if workload.cp_method == "hybrid" else "")
+    return (f" (context parallel: {method}; {workload.seq_len // layout.cp:,} of {workload.seq_len:,} tokens of each "
+            f"sequence per rank)")
+
+
+def _critical(t: Traffic) -> str:
+    """The traffic table's last column: whether a collective waits on the critical path."""
+    if not t.overlapped:
+        return "yes"
+    if t.exposed:
+        return f"overlapped, {t.exposed:.3f} s exposed"
+    return "overlapped"
 
 
 def _human(n: float) -> str:

@@ -18,6 +18,8 @@ Checkpointing = Literal["none", "selective", "full"]
 Offload = Literal["none", "cpu", "nvme"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 Precision = Literal["bf16", "fp16", "fp32"]
+CpMethod = Literal["ring", "ulysses", "hybrid"]
+CP_METHODS = ("ring", "ulysses", "hybrid")
 
 LORA_TARGETS = ("q", "k", "v", "qkv", "o", "mlp")
 """Linear layers of a block LoRA can adapt: separate or fused query/key/value projections, the
@@ -28,7 +30,13 @@ DEFAULT_LORA_TARGETS = ("qkv", "o", "mlp")
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run a model on dp * tp * pp ranks (tp innermost, as trident's mesh orders them)."""
+    """One way to run a model on dp * cp * ep * tp * pp ranks (tp innermost, as trident's mesh orders them).
+
+    `ep` > 1 splits an MoE model's experts over ep ranks that also see different data: dense
+    weights then have dp x ep data-parallel replicas, expert weights dp. `cp` > 1 splits every
+    sequence over cp ranks (context parallelism; mesh order pp, dp, cp, ep, tp): they hold the
+    same weights, so gradients are reduced and ZeRO partitions over dp x cp (x ep), and
+    `Workload.cp_method` says how their attention talks."""
 
     dp: int = 1
     tp: int = 1
@@ -41,14 +49,31 @@ class Layout:
     offload_params: Offload = "none"
     schedule: Schedule = "1f1b"
     virtual_stages: int = 1
+    ep: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.ep * self.tp * self.pp
+
+    @property
+    def gradient_replicas(self) -> int:
+        """Ranks a dense weight's gradient is averaged over and ZeRO partitions over: dp x cp x ep
+        (cp ranks hold the same weights and see other parts of the same sequences)."""
+        return self.data_parallel * self.cp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different samples: dp x ep."""
+        return self.dp * self.ep
 
     def describe(self) -> str:
         """`dp8 tp4 pp12 zero1 mb2 ckpt=full sp offload=cpu/none 1f1b`-style summary."""
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"zero{self.zero_stage}", f"mb{self.micro_batch}"]
+        if self.ep > 1:
+            parts.insert(1, f"ep{self.ep}")
+        if self.cp > 1:
+            parts.insert(1, f"cp{self.cp}")
         if self.activation_checkpointing != "none":
             parts.append(f"ckpt={self.activation_checkpointing}")
         if self.sequence_parallel:
@@ -71,6 +96,12 @@ class Workload:
     optimizer step. Compute is still priced as full training: the frozen weights' skipped
     weight-gradient GEMMs (about a third of the FLOPs) are counted and the adapters' own small
     GEMMs are not, so a LoRA step time errs on the slow side.
+
+    `cp_method` is how a layout with cp > 1 reaches the other ranks' tokens in attention
+    (`context_parallel.method`): "ring" (key/value blocks around the cp ring), "ulysses"
+    (all-to-alls to head shards) or "hybrid" (Ulysses inside groups of `cp_ulysses_size`, the
+    ring across them). Under cp > 1 attention is priced as "flash" whatever `attention` says:
+    ring and Ulysses attention keep no seq x seq scores.
     """
 
     seq_len: int
@@ -82,8 +113,15 @@ class Workload:
     reduce_bucket_elems: int = 500_000_000
     lora_r: int = 0
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    cp_method: CpMethod = "ring"
+    cp_ulysses_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.cp_method not in CP_METHODS:
+            raise ValueError(f"cp_method must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}")
+        if self.cp_method == "hybrid" and (not isinstance(self.cp_ulysses_size, int) or self.cp_ulysses_size < 1):
+            raise ValueError(f"cp_method 'hybrid' needs cp_ulysses_size (ranks per Ulysses group, >= 1), got "
+                             f"{self.cp_ulysses_size!r}")
         if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r < 0:
             raise ValueError(f"lora_r must be a non-negative integer (0 = full fine-tuning), got {self.lora_r!r}")
         if self.lora_r:
@@ -105,8 +143,32 @@ class Workload:
 
 def grad_accumulation(layout: Layout, workload: Workload) -> int | None:
     """Micro-batches per optimizer step on each data-parallel rank, or None if not whole."""
-    per_step = layout.dp * layout.micro_batch
+    per_step = layout.data_parallel * layout.micro_batch
     return workload.global_batch // per_step if workload.global_batch % per_step == 0 else None
+
+
+def local_seq_len(layout: Layout, workload: Workload) -> float:
+    """Tokens of each sequence one rank holds: seq_len / cp (context parallelism splits it)."""
+    return workload.seq_len / layout.cp
+
+
+def attention_kind(layout: Layout, workload: Workload) -> str:
+    """How attention keeps its activations: the workload's choice, or "flash" under cp > 1 (ring
+    and Ulysses attention keep the output and log-sum-exp, never the seq x seq scores)."""
+    return "flash" if layout.cp > 1 else workload.attention
+
+
+def cp_groups(layout: Layout, workload: Workload) -> tuple[int, int]:
+    """(Ulysses group size, ring size) of the cp axis: (1, cp) for ring, (cp, 1) for Ulysses,
+    (U, cp / U) for hybrid."""
+    if layout.cp <= 1:
+        return 1, 1
+    if workload.cp_method == "ring":
+        return 1, layout.cp
+    if workload.cp_method == "ulysses":
+        return layout.cp, 1
+    u = workload.cp_ulysses_size or 1
+    return u, max(1, layout.cp // u)
 
 
 def stage_layers(model: ModelSpec, pp: int) -> int:
@@ -123,8 +185,10 @@ def layout_problems(model: ModelSpec, layout: Layout, workload: Workload, world_
     """
     problems = []
     if world_size is not None and layout.world_size != world_size:
-        problems.append(f"dp {layout.dp} x tp {layout.tp} x pp {layout.pp} = {layout.world_size} ranks, "
+        cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
+        problems.append(f"dp {layout.dp}{cp} x tp {layout.tp} x pp {layout.pp} = {layout.world_size} ranks, "
                         f"not the {world_size} GPUs given; every GPU must hold one rank")
+    problems += _cp_problems(model, layout, workload)
     if model.n_head % layout.tp:
         problems.append(f"tp {layout.tp} does not divide the {model.n_head} attention heads")
     elif model.kv_heads % layout.tp and layout.tp % model.kv_heads:
@@ -151,4 +215,30 @@ def layout_problems(model: ModelSpec, layout: Layout, workload: Workload, world_
                         f"{layout.micro_batch}")
     if workload.seq_len > model.seq_len and model.position == "learned":
         problems.append(f"seq_len {workload.seq_len} exceeds the model's {model.seq_len} learned positions")
+    return problems
+
+
+def _cp_problems(model: ModelSpec, layout: Layout, workload: Workload) -> list[str]:
+    """Context parallelism's rules: 2 x cp equal chunks per sequence (the zigzag layout), and
+    Ulysses' head split (the heads on each tp rank divisible by the Ulysses group)."""
+    if layout.cp == 1:
+        return []
+    if layout.cp < 1:
+        return [f"cp {layout.cp} must be >= 1"]
+    problems = []
+    if workload.seq_len % (2 * layout.cp):
+        problems.append(f"seq_len {workload.seq_len} is not divisible by 2 x cp = {2 * layout.cp}: context "
+                        f"parallelism cuts every sequence into 2 x cp equal chunks (each rank holds two, "
+                        f"for an even causal load); use a sequence length that is a multiple of {2 * layout.cp} "
+                        f"or another cp")
+    u, _ = cp_groups(layout, workload)
+    if workload.cp_method == "hybrid" and layout.cp % u:
+        problems.append(f"cp_ulysses_size {u} does not divide cp {layout.cp} (hybrid: Ulysses inside groups of "
+                        f"cp_ulysses_size ranks, the ring across them)")
+    elif u > 1:
+        heads, kv_heads = model.n_head // layout.tp, max(1, model.kv_heads // layout.tp)
+        if heads % u or kv_heads % u:
+            problems.append(f"Ulysses over {u} cp ranks splits the attention heads, but each tp rank has {heads} "
+                            f"query and {kv_heads} key/value heads, not divisible by {u}; use a cp (or Ulysses "
+                            f"size) dividing them, or cp_method 'ring'")
     return problems

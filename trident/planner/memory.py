@@ -18,13 +18,19 @@ bytes in 16-bit with dropout and unfused attention; with tensor parallelism t th
 layer norms, their outputs and the dropout masks (10 s b h) stay whole on every rank unless
 sequence parallelism splits them too. `layer_activation_bytes` derives those numbers from the
 tensors autograd keeps, so other formats and fused attention follow from the same count.
+
+Context parallelism over C ranks: each rank holds s / C tokens of every sequence, so its
+activations (the head's too) are those of s / C tokens, with attention priced as fused ("flash"):
+ring and Ulysses attention keep the output and log-sum-exp, never the scores. Model states
+partition over dp x C, the ranks that hold the same weights.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trident.planner.layout import DEFAULT_LORA_TARGETS, Layout, Workload, grad_accumulation, stage_layers
+from trident.planner.layout import (DEFAULT_LORA_TARGETS, Layout, Workload, attention_kind, cp_groups,
+                                    grad_accumulation, local_seq_len, stage_layers)
 from trident.planner.presets import Cluster, ModelSpec
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lion": 4, "adagrad": 4, "sgd": 4, "sgd-nomomentum": 0}
@@ -114,15 +120,33 @@ def zero_paper_bytes(num_params: float, stage: int, dp: int, k: float = 12) -> f
     return model_state_bytes(num_params, stage, dp, StateBytes(2, 2, 0, k)).total
 
 
-def rank_parameters(model: ModelSpec, tp: int, pp: int) -> float:
+def rank_parameters(model: ModelSpec, tp: int, pp: int, ep: int = 1) -> float:
     """Parameters on the busiest rank: its stage's layers (plus embeddings on the first stage,
-    the output layer on the last, a tied table held by both) split over tp ranks."""
-    layers = stage_layers(model, pp) * model.layer_parameters()
+    the output layer on the last, a tied table held by both) split over tp ranks; an MoE
+    model's experts are whole on each tp rank and split over ep (`rank_expert_parameters`)."""
+    experts = rank_expert_parameters(model, pp, ep)
+    dense_all = model.num_parameters() - model.expert_parameters()
     if pp == 1:
-        return model.num_parameters() / tp
+        return dense_all / tp + experts
+    layers = stage_layers(model, pp) / model.n_layer * (dense_all - model.embedding_parameters())
     table = model.vocab_size * model.d_model
     first = table + (model.seq_len * model.d_model if model.position == "learned" else 0)
-    return (layers + max(first, table + model.d_model)) / tp
+    return (layers + max(first, table + model.d_model)) / tp + experts
+
+
+def rank_expert_parameters(model: ModelSpec, pp: int = 1, ep: int = 1) -> float:
+    """Expert parameters on one rank: its stage's share of the MoE layers' experts, / ep."""
+    return model.expert_parameters() * stage_layers(model, pp) / model.n_layer / ep
+
+
+def moe_state_bytes(model: ModelSpec, layout: Layout, state: StateBytes) -> ModelStates:
+    """Model states of one rank of an MoE model: dense weights partitioned (ZeRO) over their
+    dp x ep replicas, expert weights (1/ep of them) over their dp replicas."""
+    params = rank_parameters(model, layout.tp, layout.pp, layout.ep)
+    experts = rank_expert_parameters(model, layout.pp, layout.ep)
+    dense = model_state_bytes(params - experts, layout.zero_stage, layout.gradient_replicas, state)
+    expert = model_state_bytes(experts, layout.zero_stage, layout.dp * layout.cp, state)
+    return ModelStates(*(a + b for a, b in zip(dense.as_dict().values(), expert.as_dict().values())))
 
 
 def lora_layer_parameters(model: ModelSpec, r: int, targets: tuple[str, ...] = DEFAULT_LORA_TARGETS,
@@ -159,7 +183,7 @@ def lora_parameters(model: ModelSpec, r: int, targets: tuple[str, ...] = DEFAULT
 def rank_parameter_counts(model: ModelSpec, layout: Layout, workload: Workload) -> tuple[float, float]:
     """(parameters, trainable parameters) on the busiest rank: the model's, all trainable; with
     `workload.lora_r`, the frozen model plus its adapters, of which only the adapters train."""
-    base = rank_parameters(model, layout.tp, layout.pp)
+    base = rank_parameters(model, layout.tp, layout.pp, layout.ep)
     if not workload.lora_r:
         return base, base
     adapters = lora_parameters(model, workload.lora_r, workload.lora_targets, layout.tp, layout.pp)
@@ -240,8 +264,10 @@ def in_flight_micro_batches(layout: Layout, grad_accum: int) -> float:
 def activation_memory(model: ModelSpec, layout: Layout, workload: Workload) -> float:
     """Peak activation bytes on the busiest rank (first stage, or the only one)."""
     gas = grad_accumulation(layout, workload) or 1
-    kw = dict(micro_batch=layout.micro_batch, seq_len=workload.seq_len, tp=layout.tp, sp=layout.sequence_parallel,
-              act_bytes=workload.activation_bytes, dropout=workload.dropout, attention=workload.attention)
+    seq = local_seq_len(layout, workload)  # context parallelism: each rank holds seq_len / cp tokens
+    kw = dict(micro_batch=layout.micro_batch, seq_len=seq, tp=layout.tp, sp=layout.sequence_parallel,
+              act_bytes=workload.activation_bytes, dropout=workload.dropout,
+              attention=attention_kind(layout, workload))
     per_layer = layer_activation_bytes(model, checkpointing=layout.activation_checkpointing, **kw)
     layers = stage_layers(model, layout.pp)
     first = layers * per_layer * in_flight_micro_batches(layout, gas)
@@ -249,7 +275,7 @@ def activation_memory(model: ModelSpec, layout: Layout, workload: Workload) -> f
     # are gone by then, so the two peaks do not add up.
     rebuilt = layer_activation_bytes(model, checkpointing="none", **kw) if layout.activation_checkpointing == "full" \
         else 0.0
-    head = output_activation_bytes(model, layout.micro_batch, workload.seq_len, layout.tp, workload.activation_bytes)
+    head = output_activation_bytes(model, layout.micro_batch, seq, layout.tp, workload.activation_bytes)
     if layout.pp == 1:
         return first + max(head, rebuilt)
     return max(first + rebuilt, layers * per_layer + max(head, rebuilt))
@@ -265,8 +291,32 @@ def comm_buffer_bytes(model: ModelSpec, layout: Layout, workload: Workload, stat
     if layout.zero_stage == 3:
         total += 2 * model.layer_parameters() / layout.tp * state.parameter  # current + prefetched layer
     if layout.pp > 1:
-        total += 2 * layout.micro_batch * workload.seq_len * model.d_model * workload.activation_bytes
+        total += 2 * layout.micro_batch * local_seq_len(layout, workload) * model.d_model * workload.activation_bytes
+    return total + context_parallel_buffer_bytes(model, layout, workload)
+
+
+def context_parallel_buffer_bytes(model: ModelSpec, layout: Layout, workload: Workload) -> float:
+    """Buffers of cp's attention traffic on one rank. The ring holds the key/value block it
+    computes on and the one arriving (2 x [b, s/C, 2 kv] in the activation format), and in
+    backward the fp32 dK/dV block going out and the one coming in; Ulysses the send and receive
+    buffers of its largest all-to-all (a [b, s/C, h] tensor each)."""
+    if layout.cp <= 1:
+        return 0.0
+    tokens = layout.micro_batch * local_seq_len(layout, workload)
+    h, kv = model.d_model / layout.tp, cp_kv_dim(model, layout.tp)
+    u, ring = cp_groups(layout, workload)
+    total = 0.0
+    if ring > 1:
+        total += 2 * tokens * 2 * kv * workload.activation_bytes + 2 * tokens * 2 * kv * 4
+    if u > 1:
+        total += 2 * tokens * h * workload.activation_bytes
     return total
+
+
+def cp_kv_dim(model: ModelSpec, tp: int) -> float:
+    """Key (or value) width on one tp rank: kv_dim / tp, or one head when tp exceeds the
+    key/value heads (each tp rank then holds a copy of its group's head)."""
+    return model.kv_dim / min(tp, model.kv_heads)
 
 
 @dataclass(frozen=True)
@@ -294,7 +344,10 @@ def memory_estimate(model: ModelSpec, layout: Layout, workload: Workload, cluste
     """The whole per-rank memory picture of `layout` (textbook mixed-precision bytes by default)."""
     state = state or mixed_precision_bytes(workload.precision, workload.optimizer)
     params, trainable = rank_parameter_counts(model, layout, workload)
-    states = model_state_bytes(params, layout.zero_stage, layout.dp, state, trainable)
+    if model.num_experts and not workload.lora_r:
+        states = moe_state_bytes(model, layout, state)
+    else:
+        states = model_state_bytes(params, layout.zero_stage, layout.gradient_replicas, state, trainable)
     acts = activation_memory(model, layout, workload)
     buffers = comm_buffer_bytes(model, layout, workload, state)
     return MemoryEstimate(states, place_model_states(states, layout), acts, buffers,

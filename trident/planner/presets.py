@@ -42,6 +42,9 @@ class ModelSpec:
     position: Literal["learned", "rotary", "alibi"] = "learned"
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     embed_norm: bool = False
+    num_experts: int = 0          # mixture of experts: experts per MoE layer; 0 = dense
+    moe_k: int = 1                # experts each token visits
+    moe_every_n_layers: int = 1   # blocks every_n - 1, 2 every_n - 1, ... are MoE
 
     def __post_init__(self) -> None:
         for key in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len"):
@@ -70,8 +73,27 @@ class ModelSpec:
     def _norm_params(self) -> int:
         return self.d_model * (2 if self.norm == "layernorm" and self.bias else 1)
 
+    @property
+    def moe_layers(self) -> int:
+        """Blocks whose MLP is a mixture of experts."""
+        return self.n_layer // self.moe_every_n_layers if self.num_experts else 0
+
+    def mlp_parameters(self) -> int:
+        """One MLP (one expert of an MoE layer)."""
+        h, ff, b = self.d_model, self.ff_dim, int(self.bias)
+        return (3 * h * ff if self.gated_mlp else 2 * h * ff) + b * (ff + h)
+
+    def expert_parameters(self) -> int:
+        """Every expert of every MoE layer (what expert parallelism splits over ep)."""
+        return self.moe_layers * self.num_experts * self.mlp_parameters()
+
+    def _moe_extra(self, experts: int) -> int:
+        """What MoE layers add over dense ones when `experts` MLPs count: the router (d_model x E)
+        and experts - 1 more MLPs per MoE layer."""
+        return self.moe_layers * ((experts - 1) * self.mlp_parameters() + self.d_model * self.num_experts)
+
     def layer_parameters(self) -> int:
-        """One transformer block: two norms, attention (qkv + output) and the MLP."""
+        """One (dense) transformer block: two norms, attention (qkv + output) and the MLP."""
         h, ff, b = self.d_model, self.ff_dim, int(self.bias)
         attn = h * (h + 2 * self.kv_dim) + b * (h + 2 * self.kv_dim) + h * h + b * h
         mlp = (3 * h * ff if self.gated_mlp else 2 * h * ff) + b * (ff + h)
@@ -89,8 +111,13 @@ class ModelSpec:
         return n
 
     def num_parameters(self) -> int:
-        """All distinct parameters (a tied output layer counts once)."""
-        return self.n_layer * self.layer_parameters() + self.embedding_parameters()
+        """All distinct parameters (a tied output layer counts once; every expert)."""
+        return self.n_layer * self.layer_parameters() + self.embedding_parameters() + self._moe_extra(self.num_experts)
+
+    def active_parameters(self) -> int:
+        """Parameters one token passes through: an MoE layer counts its router and k experts."""
+        return (self.n_layer * self.layer_parameters() + self.embedding_parameters()
+                + self._moe_extra(self.moe_k))
 
     def forward_flops_per_token(self, seq_len: int) -> tuple[float, float, float]:
         """Forward matmul FLOPs per token: (layer matmuls, attention scores, logits), all layers.
@@ -101,15 +128,19 @@ class ModelSpec:
         h, ff = self.d_model, self.ff_dim
         dense = 2 * (h * (h + 2 * self.kv_dim) + h * h + (3 if self.gated_mlp else 2) * h * ff)
         scores = 2 * 2 * seq_len * h
-        return self.n_layer * dense, self.n_layer * scores, 2 * h * self.vocab_size
+        mlp = 2 * (3 if self.gated_mlp else 2) * h * ff
+        moe = self.moe_layers * ((self.moe_k - 1) * mlp + 2 * h * self.num_experts)  # k experts + the router
+        return self.n_layer * dense + moe, self.n_layer * scores, 2 * h * self.vocab_size
 
     def model_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token without recomputation: forward + backward (2x forward)."""
         return 3 * sum(self.forward_flops_per_token(seq_len))
 
     def describe(self) -> str:
+        moe = (f", {self.moe_layers} MoE layers of {self.num_experts} experts (top-{self.moe_k}, "
+               f"{self.active_parameters() / 1e9:.3g}B active)" if self.num_experts else "")
         return (f"{self.name}: {self.num_parameters() / 1e9:.3g}B parameters, {self.n_layer} layers, d_model "
-                f"{self.d_model}, {self.n_head} heads, vocab {self.vocab_size}, seq_len {self.seq_len}")
+                f"{self.d_model}, {self.n_head} heads, vocab {self.vocab_size}, seq_len {self.seq_len}{moe}")
 
 
 def _gpt(name: str, n_layer: int, d_model: int, n_head: int, vocab: int = 50257, seq: int = 2048, **kw) -> ModelSpec:
@@ -237,8 +268,10 @@ def model_preset(name: str) -> ModelSpec:
 
 def model_from_gpt_config(cfg: Any, name: str = "trident-gpt") -> ModelSpec:
     """The ModelSpec of trident's reference GPT built from a `trident.models.gpt.GPTConfig`."""
+    moe = getattr(cfg, "moe", None)
+    experts = dict(num_experts=moe.num_experts, moe_k=moe.k, moe_every_n_layers=moe.every_n_layers) if moe else {}
     return ModelSpec(name, cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size, cfg.seq_len, d_ff=cfg.d_ff,
-                     bias=cfg.bias, tie_embeddings=cfg.tie_embeddings)
+                     bias=cfg.bias, tie_embeddings=cfg.tie_embeddings, **experts)
 
 
 _HF_KEYS: dict[str, tuple[str, ...]] = {

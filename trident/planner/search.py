@@ -7,6 +7,12 @@ applies. (dp, tp, pp) splits that break a model rule (tp must divide the heads, 
 layers) are reported with their reason, as are layouts that do not fit in memory. The ranking
 is a total order: tokens/s descending, then device memory ascending, then the layout's text,
 so equal predictions always come out in the same order.
+
+Context parallelism (cp) is searched where it can pay: cp divides the world size, 2 x cp
+divides the sequence length, and each rank keeps at least `CP_MIN_LOCAL_TOKENS` tokens of a
+sequence (below that the ring's blocks are too small to hide their sends, and activations are
+rarely what does not fit). Under cp > 1 selective recomputation is skipped: ring and Ulysses
+attention keep no scores, so it would save nothing and only recompute.
 """
 
 from __future__ import annotations
@@ -28,6 +34,21 @@ class SearchSpace:
     sequence_parallel: tuple[bool, ...] = (False, True)
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
     schedule: str = "1f1b"
+    context_parallel: tuple[int, ...] | None = None  # None: every cp where it can pay (`cp_choices`)
+
+
+CP_MIN_LOCAL_TOKENS = 4096
+"""The fewest tokens of a sequence a cp rank should hold for the search to try that cp."""
+
+
+def cp_choices(world: int, seq_len: int, space: SearchSpace) -> list[int]:
+    """The cp sizes to search: `space.context_parallel` (those dividing the world size), or 1 and
+    every divisor of the world size with seq_len divisible by 2 x cp and at least
+    `CP_MIN_LOCAL_TOKENS` tokens per rank."""
+    if space.context_parallel is not None:
+        return [c for c in space.context_parallel if c >= 1 and world % c == 0]
+    return [c for c in _divisors(world)
+            if c == 1 or (seq_len % (2 * c) == 0 and seq_len // c >= CP_MIN_LOCAL_TOKENS)]
 
 
 @dataclass(frozen=True)
@@ -57,7 +78,7 @@ class SearchResult:
 
     def format(self, top: int = 10, rejected: int = 10) -> str:
         lines = [f"{len(self.ranked)} layouts fit, {len(self.too_big)} do not fit in memory, "
-                 f"{len(self.invalid)} (dp, tp, pp) splits are invalid for this model", "",
+                 f"{len(self.invalid)} (dp, cp, tp, pp) splits are invalid for this model", "",
                  f"{'#':>3}  {'layout':<52}{'tok/s/GPU':>10}{'MFU':>7}{'step s':>9}{'GiB':>8}  why"]
         for i, c in enumerate(self.ranked[:top], 1):
             t, m = c.estimate.time, c.estimate.memory
@@ -68,14 +89,19 @@ class SearchResult:
             closest = sorted(self.too_big, key=lambda c: (c.estimate.memory.device_total, c.layout.describe()))
             lines += [f"     {c.layout.describe():<52}{c.reason}" for c in closest[:rejected]]
         if self.invalid:
-            lines += ["", "invalid splits:"] + [f"     dp{lay.dp} tp{lay.tp} pp{lay.pp}: {'; '.join(why)}"
+            lines += ["", "invalid splits:"] + [f"     {_split_text(lay)}: {'; '.join(why)}"
                                                 for lay, why in self.invalid]
         return "\n".join(lines)
 
     def to_dict(self, top: int | None = None) -> dict:
         return {"ranked": [c.to_dict() for c in self.ranked[:top]], "too_big": [c.to_dict() for c in self.too_big],
-                "invalid": [{"layout": f"dp{lay.dp} tp{lay.tp} pp{lay.pp}", "reasons": why}
+                "invalid": [{"layout": _split_text(lay), "reasons": why}
                             for lay, why in self.invalid]}
+
+
+def _split_text(layout: Layout) -> str:
+    """`dp4 cp2 tp2 pp1`: the split alone (cp only when > 1)."""
+    return " ".join(layout.describe().split()[:4 if layout.cp > 1 else 3])
 
 
 def _divisors(n: int) -> list[int]:
@@ -85,7 +111,8 @@ def _divisors(n: int) -> list[int]:
 def _why_rank(est: Estimate) -> str:
     """The biggest share of the step that is not useful compute: what holds this layout back."""
     t = est.time
-    parts = {"tp comm": t.tp_comm, "pp comm": t.pp_comm, "dp comm": t.dp_comm_exposed, "bubble": t.bubble,
+    parts = {"tp comm": t.tp_comm, "pp comm": t.pp_comm, "cp comm": t.cp_comm, "dp comm": t.dp_comm_exposed,
+             "bubble": t.bubble,
              "optimizer": t.optimizer}
     name, worst = max(parts.items(), key=lambda kv: (kv[1], kv[0]))
     compute = 100 * t.compute / t.step
@@ -101,7 +128,7 @@ def _why_too_big(est: Estimate) -> str:
             f"({name} {parts[name] / GiB:.1f} GiB)")
 
 
-def _layouts(dp: int, tp: int, pp: int, workload: Workload, space: SearchSpace):
+def _layouts(dp: int, tp: int, pp: int, workload: Workload, space: SearchSpace, cp: int = 1):
     for stage in space.zero_stages:
         if stage >= 2 and pp > 1:
             continue
@@ -109,11 +136,14 @@ def _layouts(dp: int, tp: int, pp: int, workload: Workload, space: SearchSpace):
             if (opt != "none" and stage == 0) or (par != "none" and stage != 3):
                 continue
             for ckpt in space.checkpointing:
+                if cp > 1 and ckpt == "selective" and len(space.checkpointing) > 1:
+                    continue  # no scores to drop under cp: selective is "none" plus recompute
                 for sp in space.sequence_parallel:
                     if sp and tp == 1:
                         continue
                     for mb in space.micro_batches:
-                        layout = Layout(dp, tp, pp, stage, mb, ckpt, sp, opt, par, space.schedule if pp > 1 else "1f1b")
+                        layout = Layout(dp, tp, pp, stage, mb, ckpt, sp, opt, par, space.schedule if pp > 1 else "1f1b",
+                                        cp=cp)
                         if grad_accumulation(layout, workload) is not None:
                             yield layout
 
@@ -123,21 +153,28 @@ def search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Search
     space = space or SearchSpace()
     result = SearchResult()
     world = cluster.num_gpus
-    for tp in _divisors(world):
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            split = Layout(dp, tp, pp)
-            why = [p for p in layout_problems(model, split, replace(workload, global_batch=dp), world)]
-            if why:
-                result.invalid.append((split, why))
-                continue
-            for layout in _layouts(dp, tp, pp, workload, space):
-                if layout_problems(model, layout, workload, world):
-                    continue
-                est = estimate(model, layout, cluster, workload)
-                if est.fits:
-                    result.ranked.append(Candidate(layout, est, _why_rank(est)))
-                else:
-                    result.too_big.append(Candidate(layout, est, _why_too_big(est)))
+    for cp in cp_choices(world, workload.seq_len, space):
+        for tp in _divisors(world // cp):
+            for pp in _divisors(world // (cp * tp)):
+                dp = world // (cp * tp * pp)
+                _search_split(model, cluster, workload, space, result, Layout(dp, tp, pp, cp=cp))
     result.ranked.sort(key=Candidate.sort_key)
     return result
+
+
+def _search_split(model: ModelSpec, cluster: Cluster, workload: Workload, space: SearchSpace, result: SearchResult,
+                  split: Layout) -> None:
+    """Estimate every layout of one (dp, cp, tp, pp) split into `result`."""
+    world, (dp, tp, pp, cp) = cluster.num_gpus, (split.dp, split.tp, split.pp, split.cp)
+    why = [p for p in layout_problems(model, split, replace(workload, global_batch=dp), world)]
+    if why:
+        result.invalid.append((split, why))
+        return
+    for layout in _layouts(dp, tp, pp, workload, space, cp):
+        if layout_problems(model, layout, workload, world):
+            continue
+        est = estimate(model, layout, cluster, workload)
+        if est.fits:
+            result.ranked.append(Candidate(layout, est, _why_rank(est)))
+        else:
+            result.too_big.append(Candidate(layout, est, _why_too_big(est)))

@@ -14,6 +14,11 @@ micro-batches takes (m + p - 1)(t_f + t_b) with 1F1B or GPipe; interleaving v ch
 divides the (p - 1) bubble by v; zero-bubble H1 leaves about a third of it (Qi et al. 2023).
 Data-parallel collectives overlap the backward they follow when pp = 1 and wait for the
 pipeline flush when pp > 1 (as Megatron-LM and DeepSpeed's pipeline engine schedule them).
+
+Context parallelism over C ranks gives each rank s / C tokens of every sequence (their
+attention still spans all s: the causal work is load-balanced by the zigzag layout), so compute
+per rank is 1/C; the `cp` term is its attention traffic left on the critical path (Ulysses'
+all-to-alls, ring sends longer than the block they overlap; `comm.context_parallel_traffic`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trident.planner.comm import Traffic, step_traffic
-from trident.planner.layout import Layout, Workload, grad_accumulation, stage_layers
+from trident.planner.layout import Layout, Workload, attention_kind, grad_accumulation, local_seq_len, stage_layers
 from trident.planner.memory import StateBytes, rank_parameter_counts
 from trident.planner.presets import Cluster, ModelSpec
 
@@ -52,7 +57,7 @@ def elementwise_bytes_per_token(model: ModelSpec, seq_len: int, layout: Layout, 
     e, h, t = workload.activation_bytes, model.d_model, layout.tp
     whole = (4 * e + 6 * e + (2 if workload.dropout else 0)) * h
     split = (3 if model.gated_mlp else 2) * e * model.ff_dim
-    if workload.attention == "eager":
+    if attention_kind(layout, workload) == "eager":
         split += (2 * e + ((2 * e + 1) if workload.dropout else 0)) * model.n_head * seq_len
     else:
         split += 4 * e * h  # the fused kernel reads q, k, v and writes its output once
@@ -68,12 +73,13 @@ class StageTime:
     compute: float
     tp_comm: float
     pp_comm: float
+    cp_comm: float = 0.0
 
 
 def _stage_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster,
                 traffic: list[Traffic], gas: int) -> StageTime:
     g = cluster.gpu
-    tokens = layout.micro_batch * workload.seq_len
+    tokens = layout.micro_batch * local_seq_len(layout, workload)  # cp: each rank's share of every sequence
     layers = stage_layers(model, layout.pp)
     dense, scores, logits = model.forward_flops_per_token(workload.seq_len)
     fwd_layer_flops = tokens * (dense + scores) / model.n_layer * layers / layout.tp
@@ -87,10 +93,13 @@ def _stage_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: C
     elif layout.activation_checkpointing == "selective":
         recompute = tokens * scores / model.n_layer * layers / layout.tp / gemm_rate
     bwd = 2 * fwd + recompute
-    tp = sum(x.seconds for x in traffic if x.axis == "tp") / gas
+    tp = sum(x.seconds for x in traffic if x.axis in ("tp", "ep")) / gas  # ep: MoE all-to-alls, also blocking
     pp = sum(x.seconds for x in traffic if x.axis == "pp") / gas
+    cp_fwd, cp_bwd = (sum(x.exposed for x in traffic if x.axis == "cp" and x.phase == phase) / gas
+                      for phase in ("forward", "backward"))
     share_fwd = 2 / (6 if layout.activation_checkpointing == "full" else 4)  # forward's share of tp collectives
-    return StageTime(fwd + share_fwd * tp + pp / 2, bwd + (1 - share_fwd) * tp + pp / 2, fwd + bwd, tp, pp)
+    return StageTime(fwd + share_fwd * tp + pp / 2 + cp_fwd, bwd + (1 - share_fwd) * tp + pp / 2 + cp_bwd, fwd + bwd,
+                     tp, pp, cp_fwd + cp_bwd)
 
 
 def bubble_fraction_of_flush(layout: Layout) -> float:
@@ -118,7 +127,7 @@ def _dp_exposed(traffic: list[Traffic], layout: Layout, stage: StageTime, gas: i
 def _optimizer_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster,
                     state: StateBytes) -> float:
     _, trainable = rank_parameter_counts(model, layout, workload)  # frozen parameters take no step
-    psi = trainable / (layout.dp if layout.zero_stage >= 1 else 1)
+    psi = trainable / (layout.dp * layout.cp if layout.zero_stage >= 1 else 1)
     g = cluster.gpu
     if layout.offload_optimizer == "none":
         return psi * OPTIMIZER_BYTES_PER_PARAM / (g.hbm_bandwidth * g.memory_efficiency)
@@ -146,6 +155,7 @@ class TimeEstimate:
     hardware_flops_per_gpu: float
     mfu: float
     hfu: float
+    cp_comm: float = 0.0  # context parallelism's exposed attention traffic (ring sends not hidden, Ulysses)
 
 
 def step_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster, state: StateBytes,
@@ -166,7 +176,7 @@ def step_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Clu
     peak = cluster.gpu.peak_flops
     return TimeEstimate(gas * stage.compute, gas * stage.tp_comm, gas * stage.pp_comm, dp, bubble, opt, step,
                         tokens / step, per_gpu, model_flops * per_gpu, hw_flops * per_gpu,
-                        model_flops * per_gpu / peak, hw_flops * per_gpu / peak)
+                        model_flops * per_gpu / peak, hw_flops * per_gpu / peak, gas * stage.cp_comm)
 
 
 def training_flops(num_params: float, tokens: float) -> float:

@@ -137,6 +137,18 @@ class _TPModule(nn.Module):
         return param
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """A transformers `Conv1D` (GPT-2's linear layer): y = x W + b with W stored [in, out]."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and module.weight.dim() == 2
+
+
+def linear_features(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of an nn.Linear or a transformers Conv1D."""
+    if is_conv1d(module):
+        return module.weight.shape[0], module.weight.shape[1]
+    return module.in_features, module.out_features
+
+
 class ColumnParallelLinear(_TPModule):
     """Y = X W^T + b with W's output features (rows of `weight`) split over tp.
 
@@ -158,13 +170,16 @@ class ColumnParallelLinear(_TPModule):
                  gather_output: bool = False, skip_bias_add: bool = False, sequence_parallel: bool = False,
                  stride: int = 1, pad_vocab: bool = False, logger: CommsLogger | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 _full: nn.Linear | None = None) -> None:
+                 _full: nn.Module | None = None) -> None:
         super().__init__(mesh, sequence_parallel, logger)
+        self.transposed = _full is not None and is_conv1d(_full)
         if gather_output and stride > 1:
             raise ValueError(f"ColumnParallelLinear: gather_output=True with stride={stride} would interleave "
                              f"the fused blocks of different ranks; gather the blocks separately or use stride 1")
         try:
-            self.spec = ShardSpec(0, out_features, self.tp_size, stride=stride, pad=pad_vocab)
+            self.spec = ShardSpec(1 if self.transposed else 0, out_features, self.tp_size, stride=stride,
+                                  pad=pad_vocab)
+            bias_spec = ShardSpec(0, out_features, self.tp_size, stride=stride, pad=pad_vocab)
         except ValueError as err:
             raise ValueError(f"ColumnParallelLinear(in_features={in_features}, out_features={out_features}): "
                              f"{err} (out_features is split over tp; pass pad_vocab=True for a vocabulary "
@@ -174,20 +189,22 @@ class ColumnParallelLinear(_TPModule):
         full = _full if _full is not None else nn.Linear(in_features, out_features, bias=bias, device=device,
                                                           dtype=dtype)
         self.weight = self._shard_param(full.weight, self.spec)
-        self.bias = self._shard_param(full.bias, self.spec) if full.bias is not None else None
+        self.bias = self._shard_param(full.bias, bias_spec) if full.bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mesh, **options) -> ColumnParallelLinear:
-        """The column-parallel twin of `linear`, holding this rank's slice of its weights."""
-        return cls(linear.in_features, linear.out_features, mesh, bias=linear.bias is not None,
-                   _full=linear, **options)
+    def from_linear(cls, linear: nn.Module, mesh, **options) -> ColumnParallelLinear:
+        """The column-parallel twin of `linear` (an nn.Linear, or a transformers Conv1D, whose
+        weight is stored transposed and stays so), holding this rank's slice of its weights."""
+        n_in, n_out = linear_features(linear)
+        return cls(n_in, n_out, mesh, bias=linear.bias is not None, _full=linear, **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.tp_group, self.logger, SEQUENCE_DIM)
         else:
             x = copy_to_tp_region(x, self.tp_group, self.logger)
-        y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
+        weight = self.weight.t() if self.transposed else self.weight
+        y = F.linear(x, weight, None if self.skip_bias_add else self.bias)
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group, self.logger)
             if y.shape[-1] != self.out_features:
@@ -216,13 +233,14 @@ class RowParallelLinear(_TPModule):
     def __init__(self, in_features: int, out_features: int, mesh, *, bias: bool = True,
                  input_is_parallel: bool = False, skip_bias_add: bool = False, sequence_parallel: bool = False,
                  logger: CommsLogger | None = None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, _full: nn.Linear | None = None) -> None:
+                 dtype: torch.dtype | None = None, _full: nn.Module | None = None) -> None:
         super().__init__(mesh, sequence_parallel, logger)
+        self.transposed = _full is not None and is_conv1d(_full)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True (its input "
                              "comes split by columns from a ColumnParallelLinear)")
         try:
-            self.spec = ShardSpec(1, in_features, self.tp_size)
+            self.spec = ShardSpec(0 if self.transposed else 1, in_features, self.tp_size)
         except ValueError as err:
             raise ValueError(f"RowParallelLinear(in_features={in_features}, out_features={out_features}): "
                              f"{err} (in_features is split over tp)") from None
@@ -238,15 +256,16 @@ class RowParallelLinear(_TPModule):
                 mark_sequence_parallel(self.bias, mesh, logger)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mesh, **options) -> RowParallelLinear:
-        """The row-parallel twin of `linear`, holding this rank's slice of its weight."""
-        return cls(linear.in_features, linear.out_features, mesh, bias=linear.bias is not None,
-                   _full=linear, **options)
+    def from_linear(cls, linear: nn.Module, mesh, **options) -> RowParallelLinear:
+        """The row-parallel twin of `linear` (an nn.Linear or a transformers Conv1D), holding
+        this rank's slice of its weight."""
+        n_in, n_out = linear_features(linear)
+        return cls(n_in, n_out, mesh, bias=linear.bias is not None, _full=linear, **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group, self.logger)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group, self.logger, SEQUENCE_DIM)
         else:

@@ -17,7 +17,8 @@ compared with fnmatch (`*` matches within one component): "fc1" matches "fc1" an
     "vocab"          VocabParallelEmbedding (vocabulary padded to a multiple of tp, Megatron-LM's
                      convention)
 
-Each matched nn.Linear / nn.Embedding is replaced in place by the parallel layer holding its
+Each matched nn.Linear / nn.Embedding (or transformers Conv1D, split in its own transposed
+layout) is replaced in place by the parallel layer holding its
 slice of the existing full weight. Every rank built the same full model from the same seed,
 so the sliced model starts from the serial model's weights. Weights tied between modules
 (an embedding and its output head) stay tied: both layers share one shard.
@@ -42,6 +43,7 @@ from trident.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     _TPModule,
+    is_conv1d,
 )
 
 
@@ -135,9 +137,13 @@ def matches(pattern: str, name: str) -> bool:
 def _assignments(model: nn.Module, plan: dict[str, Style]) -> list[tuple[str, nn.Module, Style]]:
     """(name, module, style) for every module the plan matches, with every pattern used."""
     used = {pattern: 0 for pattern in plan}
+    # a pipeline stage of a transformers model (trident.pipeline.hf) matches by the model's own module
+    # names; a pattern may match modules of other stages only
+    rename, whole = model.plan_module_names() if hasattr(model, "plan_module_names") else ({}, ())
     chosen = []
     for name, module in model.named_modules():
-        hits = [p for p in plan if name and matches(p, name)]
+        key = rename.get(name, name)
+        hits = [p for p in plan if key and matches(p, key)]
         if not hits:
             continue
         styles = {plan[p] for p in hits}
@@ -147,7 +153,7 @@ def _assignments(model: nn.Module, plan: dict[str, Style]) -> list[tuple[str, nn
         for p in hits:
             used[p] += 1
         chosen.append((name, module, plan[hits[0]]))
-    unused = [p for p, n in used.items() if n == 0]
+    unused = [p for p, n in used.items() if n == 0 and not any(matches(p, w) for w in whole)]
     if unused:
         candidates = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
         raise ValueError(f"tensor-parallel plan patterns {unused} match no module of {type(model).__name__}; "
@@ -160,7 +166,7 @@ def _check_type(name: str, module: nn.Module, style: Style) -> None:
         raise ValueError(f"module {name!r} is already a tensor-parallel {type(module).__name__}; a plan applies "
                          f"to a model built from plain nn.Linear / nn.Embedding layers, once")
     want = nn.Embedding if isinstance(style, Vocab) else nn.Linear
-    if type(module) is not want:
+    if type(module) is not want and not (want is nn.Linear and is_conv1d(module)):
         kind = "vocab" if isinstance(style, Vocab) else type(style).__name__.lower()
         raise ValueError(f"plan style {kind!r} for module {name!r} needs a torch {want.__name__}, but it is a "
                          f"{type(module).__name__}; point the pattern at the {want.__name__} inside it")
@@ -188,6 +194,10 @@ def apply_plan(model: nn.Module, plan: PlanSpec, mesh, *, sequence_parallel: boo
     row layer: for models whose norms, dropouts and embeddings are written for it (trident's
     GPT), not for a plan applied from outside (see `parallelize`).
     """
+    hf = isinstance(plan, str) and plan in ("hf", "auto")
+    if hf:
+        from trident.tensor_parallel.hf import plan_for
+        plan = plan_for(model, plan)
     assignments = _assignments(model, resolve_plan(plan))
     shared: dict[int, nn.Parameter] = {}  # id of a full weight -> the shard that replaced it (ties)
     for name, module, style in assignments:
@@ -205,14 +215,20 @@ def apply_plan(model: nn.Module, plan: PlanSpec, mesh, *, sequence_parallel: boo
             shared[id(full_weight)] = layer.weight
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    from trident.tensor_parallel.hf import find_transformers_model, localize_heads
+    if find_transformers_model(model) is not None:
+        localize_heads(model, mesh.tp_size)
+    if hasattr(model, "after_tensor_parallel"):  # a pipeline stage: tied copies held as buffers again
+        model.after_tensor_parallel()
     return [name for name, _, _ in assignments]
 
 
 def parallelize(model: nn.Module, plan: PlanSpec, mesh, *, logger: CommsLogger | None = None) -> nn.Module:
     """Tensor-parallelise `model` in place over `mesh`'s tp group by `plan`; returns `model`.
 
-    `plan` is a preset name ("gpt2", "llama") or {module-name pattern: style} (see the module
-    docstring). Call it before creating the optimizer: the parameters it replaces are gone.
+    `plan` is a preset name ("gpt2", "llama"), "hf" (a transformers model's own published
+    plan), "auto" ("hf" when the model has one, else the preset of its model type; see
+    `trident.tensor_parallel.hf`) or {module-name pattern: style} (see the module docstring). Call it before creating the optimizer: the parameters it replaces are gone.
     Sequence parallelism needs the model's norms and dropouts to run on sequence shards,
     which a name plan cannot arrange; use a model built for it (trident's GPT).
     """
@@ -250,7 +266,8 @@ def apply_tensor_parallel(model: nn.Module, tp_cfg, mesh, *, logger: CommsLogger
     if tp_cfg.size != mesh.tp_size:
         raise ValueError(f"tensor_parallel.size={tp_cfg.size} but the mesh has tp={mesh.tp_size}; build the "
                          f"mesh from the same config (ParallelMesh.build(tp={tp_cfg.size}))")
-    if tp_cfg.plan is not None:
+    loaded_split = any(getattr(m, "_trident_tp_loaded", False) for m in model.modules())  # trident.hf.from_pretrained
+    if tp_cfg.plan is not None and not loaded_split:
         if tp_cfg.sequence_parallel and mesh.tp_size > 1:
             raise ValueError("tensor_parallel.sequence_parallel=true needs a model whose norms and dropouts run "
                              "on sequence shards, which tensor_parallel.plan cannot arrange; set plan to null "

@@ -67,10 +67,13 @@ SGD_MOMENTUM = 0.9
 ADAMW_WEIGHT_DECAY = 0.01
 
 
-def optimizer_section(kind: str, lr: float) -> dict:
-    """The DeepSpeed-style `optimizer` section of a parity run's config."""
+def optimizer_section(kind: str, lr: float, eps: float | None = None) -> dict:
+    """The DeepSpeed-style `optimizer` section of a parity run's config. `eps`: AdamW's, when a
+    model has gradient entries near 1e-8, whose rounding noise Adam's default eps would
+    normalise into visible steps."""
     if kind == "adamw":
-        return {"type": "AdamW", "params": {"lr": lr, "weight_decay": ADAMW_WEIGHT_DECAY}}
+        params = {"lr": lr, "weight_decay": ADAMW_WEIGHT_DECAY, **({"eps": eps} if eps is not None else {})}
+        return {"type": "AdamW", "params": params}
     if kind == "sgd":
         return {"type": "SGD", "params": {"lr": lr, "momentum": SGD_MOMENTUM}}
     raise ValueError(f"parity optimizer {kind!r}: expected one of {PARITY_OPTIMIZERS}")
@@ -93,10 +96,10 @@ def precision_sections(precision: str) -> dict:
                      "hysteresis": 1}}
 
 
-def torch_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
-    """The plain-PyTorch optimizer that `optimizer_section(kind, lr)` describes."""
+def torch_optimizer(kind: str, params, lr: float, eps: float | None = None) -> torch.optim.Optimizer:
+    """The plain-PyTorch optimizer that `optimizer_section(kind, lr, eps)` describes."""
     if kind == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=ADAMW_WEIGHT_DECAY)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=ADAMW_WEIGHT_DECAY, eps=1e-8 if eps is None else eps)
     if kind == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM)
     raise ValueError(f"parity optimizer {kind!r}: expected one of {PARITY_OPTIMIZERS}")
@@ -115,13 +118,13 @@ class SerialRun:
 
 def train_serial(model: torch.nn.Module, batches: Iterable[tuple], optimizer: str, lr: float, clip: float,
                  schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
-                 skip: Container[int] = ()) -> SerialRun:
+                 skip: Container[int] = (), eps: float | None = None) -> SerialRun:
     """Plain PyTorch: one `model(*batch)` loss per step over the whole global batch, the exact norm
     of all (unique) parameters' gradients, torch's clip rule (max / (norm + 1e-6) when < 1).
 
     The steps (0-based) in `skip` only record their loss, as an fp16 run skips a step whose
     gradient overflowed: no update, no schedule step; their norm is NaN."""
-    opt = torch_optimizer(optimizer, model.parameters(), lr)
+    opt = torch_optimizer(optimizer, model.parameters(), lr, eps)
     sched = schedule(opt) if schedule is not None else None
     run = SerialRun()
     for step, batch in enumerate(batches):

@@ -47,19 +47,33 @@ class Init:
     """Context in which modules are built with their parameters partitioned over `group`.
 
     DeepSpeed's `zero.Init` shape: `Init(data_parallel_group=None, mesh=None, enabled=True,
-    dtype=None, config_dict_or_path=None)`. The group defaults to the mesh's dp group, or the
-    whole world. Use ZeRO stage 3 for the engine of a model built this way.
+    dtype=None, config_dict_or_path=None, remote_device=None, pin_memory=False, mpu=None)`. The
+    group is `data_parallel_group`, else the mpu's data-parallel group, else the mesh's dp group,
+    else the whole world. `remote_device` "cpu" (or None / "none") keeps the partitions where
+    the parameters are built; "nvme" is refused (give `zero_optimization.offload_param` in the
+    engine's config instead). `pin_memory` has no effect on CPU. Use ZeRO stage 3 for the
+    engine of a model built this way.
     """
 
     def __init__(self, module: torch.nn.Module | None = None, data_parallel_group=None, mesh=None,
                  enabled: bool = True, dtype: torch.dtype | None = None, config_dict_or_path=None,
+                 remote_device: str | None = None, pin_memory: bool = False, mpu=None, config=None,
                  **unused_deepspeed_args) -> None:
         if module is not None:
             raise ValueError("zero.Init(module=...) partitions modules as they are built; wrap the model's "
                              "construction in `with trident.zero.Init(): model = MyModel()` instead")
+        if str(remote_device).lower() not in ("none", "cpu"):
+            raise ValueError(f"zero.Init(remote_device={remote_device!r}) is not supported: trident keeps the "
+                             "partitions where the model is built; for NVMe give zero_optimization.offload_param "
+                             "in the engine's config")
+        if data_parallel_group is None and mpu is not None:
+            data_parallel_group = mpu.get_data_parallel_group()
+        config_dict_or_path = config_dict_or_path if config_dict_or_path is not None else config
         if config_dict_or_path is not None:
-            from trident.config import load_config
-            stage = load_config(config_dict_or_path).zero_optimization.stage
+            from trident.config.loader import read_json
+            data = config_dict_or_path if isinstance(config_dict_or_path, dict) else read_json(config_dict_or_path)
+            zero = data.get("zero_optimization", {})
+            stage = zero.get("stage", 0) if isinstance(zero, dict) else int(bool(zero))
             if stage != 3:
                 raise ValueError(f"zero.Init builds a partitioned model, which only ZeRO stage 3 can train; "
                                  f"the config has zero_optimization.stage {stage}")
@@ -86,6 +100,8 @@ class Init:
             super(torch.nn.Module, cls).__init_subclass__(**kwargs)
             ctx._patch(cls)
         torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
+        from trident.hf.zero_init import patch_transformers  # transformers' _init_weights on whole tensors
+        self._undo_hf = patch_transformers()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -98,6 +114,9 @@ class Init:
             del torch.nn.Module.__init_subclass__
         else:
             torch.nn.Module.__init_subclass__ = self._old_init_subclass
+        if getattr(self, "_undo_hf", None) is not None:
+            self._undo_hf()
+            self._undo_hf = None
 
     def _patch(self, cls: type) -> None:
         original = cls.__dict__.get("__init__")

@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from trident.comm import collectives
 from trident.comm.logger import CommsLogger
-from trident.parallel.mesh import gradient_group
+from trident.moe.parallel import is_expert
+from trident.parallel.mesh import DENSE_GRADIENT_AXES, EXPERT_GRADIENT_AXES, gradient_group
 from trident.optim.step import LocalStep
 from trident.zero.partition import ShardedLayout, bucketed_groups, layout_from_groups, round_robin_order
 from trident.comm.buckets import GradScaling
@@ -47,6 +48,16 @@ from trident.zero.stage2 import ShardedGradients
 from trident.zero.offload import make_param_store, make_placement
 from trident.zero.stage3 import Stage3Coordinator, build_partition, module_units
 from trident.zero.state import fill_partition_state, same_partitioning
+
+
+@dataclass
+class ReductionGroup:
+    """The ranks a partition group is sharded and reduced over, and its averaging."""
+
+    group: dist.ProcessGroup
+    world: int
+    rank: int
+    scaling: GradScaling
 
 
 @dataclass
@@ -62,6 +73,8 @@ class PartitionGroup:
     names: list[str]
     layout: ShardedLayout
     norm_groups: tuple
+    comm: ReductionGroup | None = None                      # dense: the dp group; experts: their own
+    expert: bool = False
     unit_starts: list[int] = field(default_factory=list)   # stage 1-2: unit offsets in `flat`
     flat: torch.Tensor | None = None                        # stage 1-2: whole parameters
     partition: torch.Tensor | None = None                   # stage 3: this rank's shards
@@ -92,9 +105,18 @@ class ZeroOptimizer(LocalStep):
         self.frozen = list(frozen) if stage < 3 else []
         # ZeRO partitions over the ranks that replicate the parameters (dp, and cp / ep once they
         # exist): the mesh's gradient group, which is the dp group itself while cp = ep = 1.
-        self.group = gradient_group(mesh, [p for g in optimizer.param_groups for p in g["params"]])
+        # Expert weights (trident.moe) are partitioned over their own group, dp x cp, and form
+        # partition groups of their own (as frozen parameters do under stage 3); every group
+        # averages over all data-parallel ranks, dp x cp x ep.
+        trained = [p for g in optimizer.param_groups for p in g["params"]]
+        self.group = gradient_group(mesh, [p for p in trained if not is_expert(p)])
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        self.scaling = GradScaling(self.world, predivide_factor, prescale)
+        average_over = mesh.topology.size(DENSE_GRADIENT_AXES)
+        self.scaling = GradScaling(average_over, predivide_factor, prescale)
+        self.comms = {False: ReductionGroup(self.group, self.world, self.rank, self.scaling)}
+        if any(is_expert(p) for p in trained):
+            group = mesh.group(*EXPERT_GRADIENT_AXES)
+            self.comms[True] = ReductionGroup(group, dist.get_world_size(group), dist.get_rank(group), self.scaling)
         self.groups: list[PartitionGroup] = []
         self.sub_groups: list[tuple[PartitionGroup, int, int]] = []  # (group, first chunk, end chunk)
         self.coordinator = None
@@ -109,9 +131,11 @@ class ZeroOptimizer(LocalStep):
         for g, param_group in enumerate(optimizer.param_groups):
             params = [p for p in param_group["params"] if p.requires_grad]
             for sharded in (False, True):
-                mine = [p for p in params if bool(getattr(p, "tensor_model_parallel", False)) == sharded]
-                if mine:
-                    self.groups.append(self._make_group(g, sharded, mine, named_params, stage3_units))
+                for expert in (False, True):
+                    mine = [p for p in params if bool(getattr(p, "tensor_model_parallel", False)) == sharded
+                            and is_expert(p) == expert]
+                    if mine:
+                        self.groups.append(self._make_group(g, sharded, mine, named_params, stage3_units, expert))
         self.trained = list(self.groups)  # the groups with gradients and masters
         frozen = list({id(p): p for p in frozen}.values())
         for sharded in (False, True) if stage == 3 else ():
@@ -133,22 +157,27 @@ class ZeroOptimizer(LocalStep):
 
     # -- construction ----------------------------------------------------------------------
 
-    def _make_group(self, g: int, sharded: bool, params: list, names: dict, stage3_units) -> PartitionGroup:
-        norm_groups = (self.group,) + ((self.mesh.tp_group,) if sharded and self.mesh.tp_size > 1 else ())
+    def _make_group(self, g: int, sharded: bool, params: list, names: dict, stage3_units,
+                    expert: bool = False) -> PartitionGroup:
+        comm = self.comms[expert]
+        norm_groups = (comm.group,) + ((self.mesh.tp_group,) if sharded and self.mesh.tp_size > 1 else ())
+        if expert and self.mesh.ep_size > 1:
+            norm_groups += (self.mesh.ep_group,)  # ep ranks hold other experts
         if self.stage == 3:
             index = {id(p): i for i, p in enumerate(params)}
             groups = [[(index[id(p)], tuple(getattr(p, "_trident_shape", p.shape))) for p in unit if id(p) in index]
                       for unit in stage3_units]
-            layout = layout_from_groups([u for u in groups if u], self.world)
+            layout = layout_from_groups([u for u in groups if u], comm.world)
         else:
             shapes = [tuple(p.shape) for p in params]
-            order = round_robin_order(len(params), self.world) if self.cfg.round_robin_gradients else None
-            layout = layout_from_groups(bucketed_groups(shapes, self.cfg.reduce_bucket_size, order), self.world)
-        pg = PartitionGroup(g, sharded, params, [names.get(id(p), "?") for p in params], layout, norm_groups)
+            order = round_robin_order(len(params), comm.world) if self.cfg.round_robin_gradients else None
+            layout = layout_from_groups(bucketed_groups(shapes, self.cfg.reduce_bucket_size, order), comm.world)
+        pg = PartitionGroup(g, sharded, params, [names.get(id(p), "?") for p in params], layout, norm_groups,
+                            comm, expert)
         if self.stage < 3:
             self._flatten_params(pg)
         else:
-            shards = build_partition(pg, self.rank, self.world, self.dtype, len(self.groups), self.cfg,
+            shards = build_partition(pg, comm.rank, comm.world, self.dtype, len(self.groups), self.cfg,
                                      self.param_store)
             if g < 0:  # frozen: shards only
                 pg.chunks = [(u.index, 0, shard.numel()) for u, shard in zip(pg.layout.units, shards)]
@@ -175,7 +204,7 @@ class ZeroOptimizer(LocalStep):
         self._make_masters(pg, [self._param_shard(pg, u.index) for u in pg.layout.units])
 
     def _param_shard(self, pg: PartitionGroup, u: int) -> torch.Tensor:
-        lo, hi = pg.layout.units[u].shard_range(self.rank)
+        lo, hi = pg.layout.units[u].shard_range(pg.comm.rank)
         return pg.flat[pg.unit_starts[u] + lo:pg.unit_starts[u] + hi]
 
     def _make_masters(self, pg: PartitionGroup, shards) -> None:
@@ -203,8 +232,8 @@ class ZeroOptimizer(LocalStep):
     def _make_grads(self, pg: PartitionGroup) -> None:
         overlap = self.cfg.overlap_comm
         if self.stage == 1:
-            pg.grads = FullGradients(pg.params, pg.layout, pg.unit_starts, self.group, self.rank, self.dtype,
-                                     overlap, self.cfg.reduce_scatter, self.scaling, self.logger)
+            pg.grads = FullGradients(pg.params, pg.layout, pg.unit_starts, pg.comm.group, pg.comm.rank, self.dtype,
+                                     overlap, self.cfg.reduce_scatter, pg.comm.scaling, self.logger)
             return
         if self.stage == 2:
             buckets = [[u.index] for u in pg.layout.units]
@@ -214,10 +243,10 @@ class ZeroOptimizer(LocalStep):
             # or every bucket's staging buffer would wait for the first module's gradients.
             buckets = [[u.index for u in units]
                        for units in _group_units(pg.layout, self.cfg.reduce_bucket_size)][::-1]
-        pg.grads = ShardedGradients(pg.params, pg.layout, buckets, self.group, self.dtype, overlap,
-                                    self.cfg.contiguous_gradients, self.scaling, self.logger,
+        pg.grads = ShardedGradients(pg.params, pg.layout, buckets, pg.comm.group, self.dtype, overlap,
+                                    self.cfg.contiguous_gradients, pg.comm.scaling, self.logger,
                                     on_unit_ready=functools.partial(self._unit_ready, pg),
-                                    reduce_scatter=self.cfg.reduce_scatter, rank=self.rank)
+                                    reduce_scatter=self.cfg.reduce_scatter, rank=pg.comm.rank)
 
     def _unit_ready(self, pg: PartitionGroup, u: int) -> None:
         if self.coordinator is not None:
@@ -263,10 +292,10 @@ class ZeroOptimizer(LocalStep):
         for pg in self.trained:
             flat = pg.grads.flat() if self.stage > 1 else None
             for unit in pg.layout.units:
-                lo, _ = unit.shard_range(self.rank)
+                lo, _ = unit.shard_range(pg.comm.rank)
                 shard = pg.grads.shard(unit.index) if self.stage == 1 else \
                     flat[unit.partition_offset:unit.partition_offset + unit.shard]
-                for slot, a, b in unit.pieces(self.rank):
+                for slot, a, b in unit.pieces(pg.comm.rank):
                     piece = shard[slot.offset + a - lo:slot.offset + b - lo]
                     if not torch.isfinite(piece.float().sum()):
                         bad.append(pg.names[slot.index])
@@ -315,7 +344,8 @@ class ZeroOptimizer(LocalStep):
         return pg.partition[unit.partition_offset:unit.partition_offset + unit.shard]
 
     def _all_gather_units(self, pg: PartitionGroup) -> None:
-        if self.world == 1:
+        world, group = pg.comm.world, pg.comm.group
+        if world == 1:
             return
         handles = []
         for units in _group_units(pg.layout, self.cfg.allgather_bucket_size, padded=True):
@@ -323,12 +353,12 @@ class ZeroOptimizer(LocalStep):
                 u = units[0]
                 full = pg.flat[pg.unit_starts[u.index]:pg.unit_starts[u.index] + u.padded]
                 mine = self._param_shard(pg, u.index).clone()
-                handles.append((None, collectives.all_gather(full, mine, group=self.group, async_op=True,
+                handles.append((None, collectives.all_gather(full, mine, group=group, async_op=True,
                                                              logger=self.logger)))
             else:
                 mine = torch.cat([self._param_shard(pg, u.index) for u in units])
-                out = torch.empty(self.world, mine.numel(), dtype=mine.dtype, device=mine.device)
-                handles.append(((units, out), collectives.all_gather(out, mine, group=self.group,
+                out = torch.empty(world, mine.numel(), dtype=mine.dtype, device=mine.device)
+                handles.append(((units, out), collectives.all_gather(out, mine, group=group,
                                                                      async_op=True, logger=self.logger)))
         for spread, handle in handles:
             handle.wait()
@@ -337,7 +367,7 @@ class ZeroOptimizer(LocalStep):
                 col = 0
                 for u in units:
                     start = pg.unit_starts[u.index]
-                    pg.flat[start:start + u.padded].view(self.world, u.shard).copy_(out[:, col:col + u.shard])
+                    pg.flat[start:start + u.padded].view(world, u.shard).copy_(out[:, col:col + u.shard])
                     col += u.shard
 
     def key_of(self, p: torch.nn.Parameter) -> tuple[int, int]:
@@ -428,7 +458,7 @@ class ZeroOptimizer(LocalStep):
             return [self._read_shard(pg, u, start, end).float().clone() for u, start, end in pg.chunks]
         return {
             "stage": self.stage, "dp_world_size": self.world, "dp_rank": self.rank,
-            "groups": [{"opt_group": pg.opt_group, "tp_sharded": pg.tp_sharded, "names": pg.names,
+            "groups": [{"opt_group": pg.opt_group, "tp_sharded": pg.tp_sharded, "names": pg.names, "rank": pg.comm.rank,
                         "layout": pg.layout.describe(), "chunks": [list(c) for c in pg.chunks],
                         "masters": values(pg)} for pg in self.groups],
             "optimizer": optimizer,

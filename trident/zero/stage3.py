@@ -66,7 +66,6 @@ class Stage3Coordinator:
 
     def __init__(self, zero, model: torch.nn.Module, uses: dict) -> None:
         self.zero, self.cfg = zero, zero.cfg
-        self.group, self.world, self.rank = zero.group, zero.world, zero.rank
         self.units = {(gi, u.index): (pg, u) for gi, pg in enumerate(zero.groups) for u in pg.layout.units}
         key_of_param = {id(pg.params[s.index]): (gi, u.index)
                         for gi, pg in enumerate(zero.groups) for u in pg.layout.units for s in u.slots}
@@ -115,22 +114,26 @@ class Stage3Coordinator:
         for key in keys:
             if key not in small:
                 self._launch_batch([key])
-        if small:
-            self._launch_batch(small)
+        by_group: dict[int, list[_Key]] = {}  # expert units gather over their own group (trident.moe)
+        for key in small:
+            by_group.setdefault(id(self.units[key][0].comm.group), []).append(key)
+        for batch in by_group.values():
+            self._launch_batch(batch)
 
     def _launch_batch(self, keys: list[_Key]) -> None:
         shards = [self._shard(key) for key in keys]
+        comm = self.units[keys[0]][0].comm  # the same for every key of a batch
         if len(keys) == 1:
             mine = shards[0]
             out = torch.empty(self.units[keys[0]][1].padded, dtype=mine.dtype, device=mine.device)
         else:
             mine = torch.cat(shards)
-            out = torch.empty(self.world, mine.numel(), dtype=mine.dtype, device=mine.device)
-        if self.world == 1:
+            out = torch.empty(comm.world, mine.numel(), dtype=mine.dtype, device=mine.device)
+        if comm.world == 1:
             out.view(-1).copy_(mine)
             handle = None
         else:
-            handle = collectives.all_gather(out, mine, group=self.group, async_op=True, logger=self.zero.logger)
+            handle = collectives.all_gather(out, mine, group=comm.group, async_op=True, logger=self.zero.logger)
         batch = _Gather(keys, out, handle, mine)
         for key in keys:
             self.pending[key] = batch
@@ -200,7 +203,7 @@ class Stage3Coordinator:
             self.held.discard(key)
             if write_back:
                 pg, unit = self.units[key]
-                lo, hi = unit.shard_range(self.rank)
+                lo, hi = unit.shard_range(pg.comm.rank)
                 if self.zero.param_store is not None:
                     self.zero.param_store.write_range(key, 0, self.full[key][lo:hi])
                 else:

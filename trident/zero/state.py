@@ -41,9 +41,9 @@ def same_partitioning(mine: dict, saved: dict) -> bool:
 def fill_partition_state(skeleton: dict, param_state: Callable[[str], Any]) -> None:
     """Fill a fresh partition dict (masters and optimizer state of this rank's shards) from
     `param_state(name)`: a ParamState with the whole master and per-element states."""
-    rank = skeleton["dp_rank"]
     states: dict[int, dict] = {}
     for group, indices in zip(skeleton["groups"], chunk_indices(skeleton)):
+        rank = group.get("rank", skeleton["dp_rank"])  # expert groups partition over a group of their own
         layout = ShardedLayout.from_dict(group["layout"])
         named = {name: param_state(name) for name in group["names"]}
         keys = sorted({k for ps in named.values() for k in ps.per_element()})

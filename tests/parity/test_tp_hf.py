@@ -1,0 +1,91 @@
+"""Unmodified `transformers` models split by tensor parallelism from config alone
+(`tensor_parallel.plan: "hf"` / `"auto"`): same losses and merged weights as one process.
+
+GPT-2 has transposed `Conv1D` weights, a fused `c_attn` split by heads and tied embeddings;
+GPT-NeoX a fused `query_key_value` interleaved per head; LLaMA grouped-query attention (tied
+and untied); Qwen2 biases on q, k and v. All tiny and fp32, built from configs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+import trident
+from tests.distributed.test_lora_export import CausalLMLoss
+from tests.parity.test_pp_hf import SEQ, VOCAB
+from tests.parity.test_pp_hf import make as make_lm
+from trident.tensor_parallel import merge_state_dicts, shard_specs
+from trident.testing.distributed import cached_mesh, run_on_ranks
+from trident.testing.parity import (assert_losses_close, assert_norms_close, assert_state_close,
+                                    optimizer_section, train_serial)
+
+STEPS, BATCH = 5, 4
+SGD_LR, SGD_CLIP = 0.5, 0.05
+
+
+def make(kind: str) -> CausalLMLoss:
+    return CausalLMLoss(make_lm(kind))
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (STEPS * BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def train_tp(kind: str, tp: int, plan: str):
+    mesh = cached_mesh(tp=tp)
+    cfg = {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 0, "gradient_clipping": SGD_CLIP,
+           "optimizer": optimizer_section("sgd", SGD_LR), "tensor_parallel": {"size": tp, "plan": plan}}
+    engine, *_ = trident.initialize(model=make(kind), config=cfg, mesh=mesh)
+    losses, norms = [], []
+    for batch in tokens().split(BATCH):
+        engine.backward(engine(batch))
+        engine.step()
+        losses.append(engine.last_loss)
+        norms.append(engine.get_global_grad_norm())
+    weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return losses, norms, weights, shard_specs(engine.module)
+
+
+@pytest.mark.parametrize("kind,plan", [("gpt2", "auto"), ("llama", "hf"), ("llama_tied", "auto"),
+                                       ("qwen2", "hf"), ("neox", "hf")])
+def test_transformers_model_under_tp2_matches_one_process(kind, plan):
+    ref = train_serial(make(kind), [(b,) for b in tokens().split(BATCH)], "sgd", SGD_LR, SGD_CLIP)
+    assert max(ref.clip_coefs) < 1.0
+    results = run_on_ranks(2, train_tp, kind, 2, plan)
+    for losses, norms, _, _ in results:
+        assert_losses_close(losses, ref.losses, rtol=1e-5)
+        assert_norms_close(norms, ref.norms, rtol=1e-6)
+    merged = merge_state_dicts([r[2] for r in results], results[0][3])
+    assert_state_close(merged, ref.weights, rtol=1e-5)
+    assert results[0][3], "nothing was split"
+
+
+def _bad_plans():
+    errors = []
+    cases = [
+        (4, "hf", lambda: make("llama")),  # 2 key/value heads over tp = 4
+        (2, "auto", lambda: CausalLMLoss(transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
+            vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global"], 2]])))),
+        (2, "hf", lambda: make("gpt2")),  # GPT-2 publishes no plan
+        (2, {"layers.*.self_attn.qq_proj": "column"}, lambda: make("llama")),
+    ]
+    for tp, plan, build in cases:
+        mesh = cached_mesh(tp=tp) if tp == 4 else cached_mesh(tp=2, dp=2)
+        cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": optimizer_section("sgd", 0.1),
+               "tensor_parallel": {"size": tp, "plan": plan}}
+        try:
+            trident.initialize(model=build(), config=cfg, mesh=mesh)
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_bad_plans_get_one_clear_error_each():
+    for errors in run_on_ranks(4, _bad_plans):
+        assert "LlamaAttention): 4 query heads and 2 key/value heads must both divide by tensor_parallel.size=4" \
+            in errors[0], errors[0]
+        assert "model_type 'gpt_neo') publishes no tensor-parallel plan and trident has no preset" in errors[1]
+        assert "plan='hf': GPT2LMHeadModel (model_type 'gpt2') publishes no tensor-parallel plan" in errors[2]
+        assert "['layers.*.self_attn.qq_proj'] match no module of CausalLMLoss" in errors[3]

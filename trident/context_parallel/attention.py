@@ -1,0 +1,136 @@
+"""`trident.context_parallel.attention`: softmax attention over a sequence split across cp ranks.
+
+The one function a model's attention calls (trident's GPT does; a user's own attention opts in
+the same way). Inputs are this rank's shard in SDPA's layout, q [B, H, T_local, D] and k, v
+[B, H_kv, T_local, D] (H_kv may divide H: grouped-query attention), with the cp layout's token
+order (`ContextParallel.shard`). The method decides how the other ranks' tokens are reached:
+
+    ring      keys and values travel around the cp ring (`ring.RingPlan`)
+    ulysses   all-to-all to head shards, attention over the whole sequence, all-to-all back
+    hybrid    Ulysses inside groups of `ulysses_size` ranks, the ring across the groups
+
+Which `ContextParallel` applies: the `cp=` argument, else the one bound to the model that is
+running (`bind`, done by `trident.initialize`), else none: then, and at cp = 1, this is plain
+causal attention, so the same model code runs with and without cp.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trident.comm import collectives
+from trident.context_parallel.layout import ContextParallel, document_mask
+from trident.context_parallel.ring import RingAttention, RingPlan
+from trident.context_parallel.ulysses import gather_docs, natural_order, to_heads, to_sequence
+
+_active: list[ContextParallel] = []  # the handle of the model running now (innermost last)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              doc_ids: torch.Tensor | None = None, *, cp: ContextParallel | None = None,
+              scale: float | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over the keys of the whole (cp-split) sequence.
+
+    q [B, H, T_local, D], k and v [B, H_kv, T_local, D]; `doc_ids` [B, T_local]: document ids
+    of packed sequences (attention stays inside a document). `scale` defaults to 1/sqrt(D).
+    Returns [B, H, T_local, D] in q's dtype.
+    """
+    cp = cp if cp is not None else current()
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if q.dim() != 4 or k.shape != v.shape or k.shape[:1] + k.shape[2:] != q.shape[:1] + q.shape[2:] \
+            or q.shape[1] % k.shape[1]:
+        raise ValueError(f"context_parallel.attention needs q [B, H, T, D] and k, v [B, H_kv, T, D] with H_kv "
+                         f"dividing H, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if cp is None or cp.size == 1:
+        return _local_attention(q, k, v, causal, doc_ids, scale)
+    if cp.method == "ring":
+        plan = _ring_plan(cp, [cp.chunks_of(r) for r in range(cp.size)], q.shape[2] // 2, causal,
+                          doc_ids, cp.ring_group, cp.size, cp.rank, scale)
+        return RingAttention.apply(q, k, v, plan)
+    u = cp.ulysses_size
+    for name, t in (("query", q), ("key/value", k)):
+        if t.shape[1] % u:
+            raise ValueError(f"Ulysses context parallelism splits heads over {u} ranks, but the {name} tensor "
+                             f"has {t.shape[1]} heads on this rank; choose context_parallel.size (or "
+                             f"ulysses_size) dividing the heads, or method 'ring'")
+    group_rank = cp.rank % u
+    members = range(cp.rank - group_rank, cp.rank - group_rank + u)
+    chunks = [c for m in members for c in cp.chunks_of(m)]
+    q, k, v = (to_heads(t, cp.ulysses_group, u, cp.logger) for t in (q, k, v))
+    docs = gather_docs(doc_ids, cp.ulysses_group, u, cp.logger) if doc_ids is not None else None
+    chunk_len = q.shape[2] // len(chunks)
+    if cp.method == "ulysses":
+        order = natural_order(chunks, chunk_len, q.device)
+        inverse = torch.argsort(order)
+        q, k, v = (t.index_select(2, order) for t in (q, k, v))
+        docs = docs.index_select(1, order) if docs is not None else None
+        y = _local_attention(q, k, v, causal, docs, scale).index_select(2, inverse)
+    else:
+        rings = cp.size // u
+        sets = [tuple(c for m in range(g * u, (g + 1) * u) for c in cp.chunks_of(m)) for g in range(rings)]
+        plan = _ring_plan(cp, sets, chunk_len, causal, docs, cp.ring_group, rings, cp.rank // u, scale)
+        y = RingAttention.apply(q, k, v, plan)
+    return to_sequence(y, cp.ulysses_group, u, cp.logger)
+
+
+def _ring_plan(cp, chunk_sets, chunk_len, causal, doc_ids, group, size, rank, scale) -> RingPlan:
+    docs = None
+    if doc_ids is not None:  # every ring rank's document ids, once per call (a few bytes per token)
+        docs = [torch.empty_like(doc_ids) for _ in range(size)]
+        collectives.all_gather_list(docs, doc_ids.contiguous(), group=group, logger=cp.logger)
+    return RingPlan(group, size, rank, chunk_sets, chunk_len, causal, docs, scale, cp.logger, cp.stats)
+
+
+def _local_attention(q, k, v, causal, doc_ids, scale):
+    """Attention over the keys held here (cp = 1, or Ulysses' whole sequence in position order)."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    if doc_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    t = q.shape[2]
+    positions = torch.arange(t, device=q.device)
+    mask = document_mask(positions, positions, causal, doc_ids, doc_ids)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+# -- which handle applies -------------------------------------------------------------------------
+
+
+def current() -> ContextParallel | None:
+    """The ContextParallel of the model running now (bound by `bind`), or None."""
+    return _active[-1] if _active else None
+
+
+@contextmanager
+def using(cp: ContextParallel):
+    """Make `cp` the handle `attention`, `shard` and friends use inside the block."""
+    _active.append(cp)
+    try:
+        yield cp
+    finally:
+        _active.pop()
+
+
+def bind(model: nn.Module, cp: ContextParallel) -> None:
+    """While `model` runs its forward, `cp` is the current handle (and `model.context_parallel`
+    holds it). Activation checkpointing's recompute happens in the backward, outside the
+    forward: models that recompute attention keep their handle themselves (GPT does)."""
+    model.context_parallel = cp
+    if getattr(model, "_trident_cp_bound", False):
+        return
+    model.register_forward_pre_hook(_enter)
+    model.register_forward_hook(_leave, always_call=True)
+    model._trident_cp_bound = True
+
+
+def _enter(module: nn.Module, args) -> None:
+    _active.append(module.context_parallel)
+
+
+def _leave(module: nn.Module, args, output) -> None:
+    _active.pop()

@@ -1,0 +1,29 @@
+"""`deepspeed.utils.RepeatingLoader`: a data loader that starts over when it runs out."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+
+class RepeatingLoader:
+    """Iterate `loader` forever: at its end, start a new pass (calling the sampler's
+    `set_epoch` with the pass number, when it has one, so each pass reshuffles)."""
+
+    def __init__(self, loader: Iterable) -> None:
+        self.loader = loader
+        self.epoch = 0
+        self._it = iter(loader)
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self.epoch += 1
+            sampler = getattr(self.loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.epoch)
+            self._it = iter(self.loader)
+            return next(self._it)
