@@ -216,7 +216,8 @@ def test_errors_name_the_module_sizes_and_fix():
     assert "seq_len=7 is not divisible by tensor_parallel.size=2" in msgs["seq"]
     assert "has no trident tensor-parallel layers and tensor_parallel.plan is null" in msgs["plain_no_plan"]
     assert "tensor_parallel.size=4 but the mesh has tp=2" in msgs["size"]
-    assert "plan cannot arrange" in msgs["sp_plan"]
+    assert "a transformers model with plan 'hf' or 'auto'" in msgs["sp_plan"]
+    assert "sequence_parallel=false" in msgs["sp_plan"]
     assert "built for tp=1" in msgs["other_mesh"] and "mesh has tp=2" in msgs["other_mesh"]
     assert "sequence_parallel=False but tensor_parallel.sequence_parallel=True" in msgs["sp_mismatch"]
 

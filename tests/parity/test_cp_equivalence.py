@@ -302,3 +302,39 @@ def test_bad_inputs_get_one_clear_error_each():
         assert "Linear has no context-parallel attention" in errors[0]
         assert "3 attention heads per tensor-parallel rank are not divisible by the Ulysses size 2" in errors[1]
         assert "6 tokens, not divisible by 2 x context_parallel.size = 4" in errors[2]
+
+
+def train_llama_cp(cp: int, method: str):
+    """An unmodified transformers LlamaForCausalLM (grouped-query attention) under cp."""
+    from tests.parity.test_pp_hf import make as make_lm
+    from tests.distributed.test_lora_export import CausalLMLoss
+    mesh = cached_mesh(cp=cp)
+    engine, *_ = trident.initialize(model=CausalLMLoss(make_lm("llama")), config=config(cp, method, "sgd", SGD_CLIP),
+                                    mesh=mesh)
+    data = llama_tokens()
+    losses, norms = [], []
+    for batch in data.split(2):
+        engine.backward(engine(batch))
+        engine.step()
+        losses.append(engine.last_loss)
+        norms.append(engine.get_global_grad_norm())
+    assert engine.module.lm.config._attn_implementation == "trident_context_parallel"
+    assert method != "ring" or engine.module.context_parallel.stats["block_pairs"] > 0  # the ring ran
+    return losses, {k: v.detach().clone() for k, v in engine.module.state_dict().items()}, norms
+
+
+def llama_tokens() -> torch.Tensor:
+    from tests.parity.test_pp_hf import SEQ, VOCAB
+    return torch.randint(0, VOCAB, (STEPS * 2, SEQ), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_transformers_llama_under_cp2_matches_serial(method):
+    from tests.parity.test_pp_hf import make as make_lm
+    from tests.distributed.test_lora_export import CausalLMLoss
+    ref = train_serial(CausalLMLoss(make_lm("llama")), [(b,) for b in llama_tokens().split(2)], "sgd", OPT_LR["sgd"],
+                       SGD_CLIP)
+    for losses, weights, norms in run_on_ranks(2, train_llama_cp, 2, method):
+        assert_losses_close(losses, ref.losses, rtol=1e-5)
+        assert_norms_close(norms, ref.norms, rtol=1e-6)
+        assert_state_close(weights, ref.weights, rtol=1e-5)

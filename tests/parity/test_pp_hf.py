@@ -41,6 +41,9 @@ CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                              max_position_embeddings=SEQ),
+    "qwen3": lambda: transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             head_dim=8, max_position_embeddings=SEQ),  # per-head q/k norms
     "mistral": lambda: transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                                  max_position_embeddings=SEQ, sliding_window=8),

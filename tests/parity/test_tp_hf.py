@@ -32,39 +32,72 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS * BATCH, SEQ), generator=torch.Generator().manual_seed(3))
 
 
-def train_tp(kind: str, tp: int, plan: str):
+def train_tp(kind: str, tp: int, plan: str, sequence_parallel: bool = False, stage: int = 0):
+    """tp over `tp` ranks, dp over the rest of the world (each dp rank its rows of every batch)."""
     mesh = cached_mesh(tp=tp)
-    cfg = {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 0, "gradient_clipping": SGD_CLIP,
-           "optimizer": optimizer_section("sgd", SGD_LR), "tensor_parallel": {"size": tp, "plan": plan}}
+    micro = BATCH // mesh.dp_size
+    cfg = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 0, "gradient_clipping": SGD_CLIP,
+           "optimizer": optimizer_section("sgd", SGD_LR), "zero_optimization": {"stage": stage},
+           "tensor_parallel": {"size": tp, "plan": plan, "sequence_parallel": sequence_parallel}}
     engine, *_ = trident.initialize(model=make(kind), config=cfg, mesh=mesh)
     losses, norms = [], []
     for batch in tokens().split(BATCH):
-        engine.backward(engine(batch))
+        engine.backward(engine(batch[mesh.dp_rank * micro:(mesh.dp_rank + 1) * micro]))
         engine.step()
         losses.append(engine.last_loss)
         norms.append(engine.get_global_grad_norm())
     weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    return losses, norms, weights, shard_specs(engine.module)
+    return losses, norms, weights, shard_specs(engine.module), mesh.dp_rank
 
 
-@pytest.mark.parametrize("kind,plan", [("gpt2", "auto"), ("llama", "hf"), ("llama_tied", "auto"),
-                                       ("qwen2", "hf"), ("neox", "hf")])
-def test_transformers_model_under_tp2_matches_one_process(kind, plan):
+@pytest.mark.parametrize("kind,plan,tp", [
+    ("gpt2", "auto", 2), ("llama", "hf", 2), ("llama_tied", "auto", 2), ("qwen2", "hf", 2),
+    ("qwen3", "hf", 2),  # per-head q/k norms: gradients summed over tp
+    ("neox", "hf", 2), ("gpt2", "auto", 4), ("neox", "hf", 4),
+    ("llama", "hf", 4), ("qwen2", "hf", 4),  # 2 key/value heads over tp 4: each replicated on 2 ranks
+])
+def test_transformers_model_under_tp_matches_one_process(kind, plan, tp):
+    check_tp(kind, plan, tp, False)
+
+
+@pytest.mark.parametrize("kind,plan", [("llama", "hf"), ("gpt2", "auto"), ("qwen3", "hf"), ("neox", "hf")])
+def test_transformers_model_under_tp2_with_sequence_parallelism_matches_one_process(kind, plan):
+    """Norms, MLPs and the residual stream on sequence shards; the sequence gathered in front of
+    attention and by the output head."""
+    check_tp(kind, plan, 2, True)
+
+
+@pytest.mark.parametrize("kind,stage", [("llama", 1), ("llama", 3), ("gpt2", 1), ("qwen2", 3)])
+def test_transformers_model_under_dp2_tp2_with_zero_matches_one_process(kind, stage):
+    check_tp(kind, "auto", 2, False, world=4, stage=stage)
+
+
+def check_tp(kind: str, plan: str, tp: int, sequence_parallel: bool, world: int | None = None, stage: int = 0):
     ref = train_serial(make(kind), [(b,) for b in tokens().split(BATCH)], "sgd", SGD_LR, SGD_CLIP)
     assert max(ref.clip_coefs) < 1.0
-    results = run_on_ranks(2, train_tp, kind, 2, plan)
-    for losses, norms, _, _ in results:
-        assert_losses_close(losses, ref.losses, rtol=1e-5)
+    results = run_on_ranks(world or tp, train_tp, kind, tp, plan, sequence_parallel, stage)
+    dp_losses = {r[4]: r[0] for r in results}  # each dp rank reports its rows' loss; the batch's is the mean
+    assert_losses_close([sum(s) / len(s) for s in zip(*dp_losses.values())], ref.losses, rtol=1e-5)
+    for _, norms, _, _, _ in results:
         assert_norms_close(norms, ref.norms, rtol=1e-6)
+    results = [r for r in results if r[4] == 0]  # one dp replica's tp shards
     merged = merge_state_dicts([r[2] for r in results], results[0][3])
     assert_state_close(merged, ref.weights, rtol=1e-5)
     assert results[0][3], "nothing was split"
 
 
+def make_lm_with(**overrides) -> CausalLMLoss:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, intermediate_size=64, num_hidden_layers=2,
+                                      max_position_embeddings=SEQ, **overrides)
+    return CausalLMLoss(transformers.AutoModelForCausalLM.from_config(config).float())
+
+
 def _bad_plans():
     errors = []
     cases = [
-        (4, "hf", lambda: make("llama")),  # 2 key/value heads over tp = 4
+        (4, "hf", lambda: make_lm_with(num_attention_heads=8, num_key_value_heads=3,
+                                       hidden_size=48)),  # 3 key/value heads over tp = 4
         (2, "auto", lambda: CausalLMLoss(transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
             vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global"], 2]])))),
         (2, "hf", lambda: make("gpt2")),  # GPT-2 publishes no plan
@@ -84,8 +117,8 @@ def _bad_plans():
 
 def test_bad_plans_get_one_clear_error_each():
     for errors in run_on_ranks(4, _bad_plans):
-        assert "LlamaAttention): 4 query heads and 2 key/value heads must both divide by tensor_parallel.size=4" \
-            in errors[0], errors[0]
+        assert "LlamaAttention): 8 query heads over tensor_parallel.size=4 need tp to divide them, and 3 key/value " \
+            "heads need tp to divide them or be a multiple of them" in errors[0], errors[0]
         assert "model_type 'gpt_neo') publishes no tensor-parallel plan and trident has no preset" in errors[1]
         assert "plan='hf': GPT2LMHeadModel (model_type 'gpt2') publishes no tensor-parallel plan" in errors[2]
         assert "['layers.*.self_attn.qq_proj'] match no module of CausalLMLoss" in errors[3]

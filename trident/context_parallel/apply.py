@@ -1,11 +1,13 @@
 """What `trident.initialize` does for `context_parallel: {size, method, ulysses_size}`.
 
-A model takes part in one of two ways:
+A model takes part in one of three ways:
   - it has `parallelize_context(cp)` (trident's GPT and its pipeline layers): it shards its
     inputs, uses global positions, calls `attention` and averages its loss over all tokens;
   - it sets `context_parallel_aware = True` and does those things itself with
     `shard_batch`, `ContextParallel.positions`, `attention` and `ContextParallel.global_mean`
     (the handle is `model.context_parallel`, and `current()` while the model runs).
+  - it is (or holds) an unmodified `transformers` causal LM: its attention implementation and
+    its inputs and loss are adapted from outside (`trident.context_parallel.hf`).
 Any other model is refused: its attention would see only its own shard and train wrongly.
 """
 
@@ -24,6 +26,11 @@ def apply_context_parallel(model: nn.Module, section, mesh, logger: CommsLogger 
     cp = ContextParallel.from_mesh(mesh, section.method, section.ulysses_size, logger)
     targets = _aware_modules(model)
     if not targets:
+        from trident.context_parallel.hf import causal_lm, parallelize_transformers
+        if causal_lm(model) is not None:  # an unmodified transformers model: its attention is swapped
+            parallelize_transformers(model, cp)
+            bind(model, cp)
+            return cp
         raise ValueError(
             f"context_parallel.size={cp.size}: {type(model).__name__} has no context-parallel attention. "
             f"A model runs under cp when it (or a layer of a PipelineModule) has parallelize_context(cp) "

@@ -280,6 +280,46 @@ class RowParallelLinear(_TPModule):
                 f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
 
 
+class ReplicatedHeadsLinear(_TPModule):
+    """A key or value projection with fewer heads than tp ranks (grouped-query attention with
+    tp > key/value heads), as Megatron handles it: every rank keeps the whole (small)
+    projection, computes it, and keeps the one head its query heads share, head
+    tp_rank // (tp / heads). Its gradient is summed over tp (each rank's holds its query heads'
+    share), and the input gradient likewise (identity forward, all-reduce backward)."""
+
+    def __init__(self, linear: nn.Module, mesh, head_dim: int, logger: CommsLogger | None = None) -> None:
+        super().__init__(mesh, False, logger)
+        n_in, n_out = linear_features(linear)
+        heads = n_out // head_dim
+        if n_out % head_dim or self.tp_size % heads:
+            raise ValueError(f"ReplicatedHeadsLinear: {n_out} output features are not whole heads of {head_dim}, or "
+                             f"their {heads} heads do not divide tp={self.tp_size}")
+        self.in_features, self.out_features, self.head_dim = n_in, n_out, head_dim
+        self.transposed = is_conv1d(linear)
+        self.head = self.tp_rank // (self.tp_size // heads)
+        self.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=linear.weight.requires_grad)
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+        for param in (self.weight, self.bias):
+            if param is not None:
+                mark_sequence_parallel(param, mesh, logger)  # replicated, each rank holding part of its gradient
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, mesh, head_dim: int, logger: CommsLogger | None = None):
+        return cls(linear, mesh, head_dim, logger)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp_region(x, self.tp_group, self.logger)
+        rows = slice(self.head * self.head_dim, (self.head + 1) * self.head_dim)
+        weight = (self.weight.t() if self.transposed else self.weight)[rows]
+        return F.linear(x, weight, self.bias[rows] if self.bias is not None else None)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (whole on every rank; head "
+                f"{self.head} of {self.out_features // self.head_dim} used here, tp={self.tp_size})")
+
+
 class VocabParallelEmbedding(_TPModule):
     """An embedding table split by vocabulary rows: rank i holds rows [i*V/tp, (i+1)*V/tp).
 

@@ -33,17 +33,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Mapping, Union
+from typing import Callable, Mapping, Union
 
 from torch import nn
 
 from trident.comm.logger import CommsLogger
 from trident.tensor_parallel.layers import (
     ColumnParallelLinear,
+    ReplicatedHeadsLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     _TPModule,
     is_conv1d,
+    mark_sequence_parallel,
 )
 
 
@@ -69,7 +71,23 @@ class Vocab:
     """Split an nn.Embedding by vocabulary rows."""
 
 
-Style = Union[Column, Row, Vocab]
+@dataclass(frozen=True)
+class KVHeads:
+    """A key or value projection whose heads are fewer than tp ranks (grouped-query attention):
+    kept whole on every rank, each using the head its query heads share
+    (`ReplicatedHeadsLinear`). `head_dim`: features per head."""
+
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class SumGrad:
+    """A module kept whole on every rank but fed only this rank's heads (a per-head norm such as
+    Qwen3's q_norm): its parameters' gradients are summed over tp. transformers calls it
+    "replicated_with_grad_allreduce"."""
+
+
+Style = Union[Column, Row, Vocab, KVHeads, SumGrad]
 STYLES: dict[str, Style] = {
     "column": Column(),
     "column_gather": Column(gather_output=True, pad_vocab=True),
@@ -121,7 +139,7 @@ def resolve_plan(plan: PlanSpec) -> dict[str, Style]:
                 raise ValueError(f"tensor_parallel.plan[{pattern!r}] = {style!r} is not a style; use one of "
                                  f"{sorted(STYLES)}")
             style = STYLES[style]
-        elif not isinstance(style, (Column, Row, Vocab)):
+        elif not isinstance(style, (Column, Row, Vocab, KVHeads, SumGrad)):
             raise ValueError(f"tensor_parallel.plan[{pattern!r}] must be a style name {sorted(STYLES)} or a "
                              f"Column/Row/Vocab object, got {style!r}")
         resolved[pattern] = style
@@ -178,6 +196,8 @@ def _make_layer(name: str, module: nn.Module, style: Style, mesh, sequence_paral
     try:
         if isinstance(style, Vocab):
             return VocabParallelEmbedding.from_embedding(module, mesh, **common)
+        if isinstance(style, KVHeads):
+            return ReplicatedHeadsLinear.from_linear(module, mesh, style.head_dim, logger=logger)
         if isinstance(style, Column):
             return ColumnParallelLinear.from_linear(module, mesh, gather_output=style.gather_output,
                                                     stride=style.stride, pad_vocab=style.pad_vocab, **common)
@@ -186,24 +206,33 @@ def _make_layer(name: str, module: nn.Module, style: Style, mesh, sequence_paral
         raise ValueError(f"cannot split module {name!r} over tp={mesh.tp_size}: {err}") from None
 
 
-def apply_plan(model: nn.Module, plan: PlanSpec, mesh, *, sequence_parallel: bool = False,
+def apply_plan(model: nn.Module, plan: PlanSpec, mesh, *,
+               sequence_parallel: bool | Callable[[str, Style], bool] = False,
                logger: CommsLogger | None = None) -> list[str]:
     """Replace the modules `plan` matches by tensor-parallel layers; returns their names.
 
     With `sequence_parallel` the layers take and give sequence shards between a column and a
     row layer: for models whose norms, dropouts and embeddings are written for it (trident's
-    GPT), not for a plan applied from outside (see `parallelize`).
+    GPT), not for a plan applied from outside (see `parallelize`); a callable (name, style) ->
+    bool chooses per layer (a transformers model, `hf.SequenceParallelLayout.uses_shards`).
     """
-    hf = isinstance(plan, str) and plan in ("hf", "auto")
-    if hf:
-        from trident.tensor_parallel.hf import plan_for
-        plan = plan_for(model, plan)
+    from trident.tensor_parallel.hf import check_heads, find_transformers_model, localize_heads, plan_for
+    transformers_model = find_transformers_model(model) is not None
+    if isinstance(plan, str) and plan in ("hf", "auto"):
+        plan = plan_for(model, plan, mesh.tp_size)
+    if transformers_model:
+        check_heads(model, mesh.tp_size)  # one error naming the attention, before any layer is split
     assignments = _assignments(model, resolve_plan(plan))
     shared: dict[int, nn.Parameter] = {}  # id of a full weight -> the shard that replaced it (ties)
     for name, module, style in assignments:
+        if isinstance(style, SumGrad):  # stays as it is; its gradients are summed over tp
+            for param in module.parameters():
+                mark_sequence_parallel(param, mesh, logger)
+            continue
         _check_type(name, module, style)
         full_weight = module.weight
-        layer = _make_layer(name, module, style, mesh, sequence_parallel, logger)
+        sp = sequence_parallel(name, style) if callable(sequence_parallel) else sequence_parallel
+        layer = _make_layer(name, module, style, mesh, sp, logger)
         tied = shared.get(id(full_weight))
         if tied is not None:
             if tied.tp_spec != layer.weight.tp_spec:
@@ -215,8 +244,7 @@ def apply_plan(model: nn.Module, plan: PlanSpec, mesh, *, sequence_parallel: boo
             shared[id(full_weight)] = layer.weight
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-    from trident.tensor_parallel.hf import find_transformers_model, localize_heads
-    if find_transformers_model(model) is not None:
+    if transformers_model:
         localize_heads(model, mesh.tp_size)
     if hasattr(model, "after_tensor_parallel"):  # a pipeline stage: tied copies held as buffers again
         model.after_tensor_parallel()
@@ -228,7 +256,8 @@ def parallelize(model: nn.Module, plan: PlanSpec, mesh, *, logger: CommsLogger |
 
     `plan` is a preset name ("gpt2", "llama"), "hf" (a transformers model's own published
     plan), "auto" ("hf" when the model has one, else the preset of its model type; see
-    `trident.tensor_parallel.hf`) or {module-name pattern: style} (see the module docstring). Call it before creating the optimizer: the parameters it replaces are gone.
+    `trident.tensor_parallel.hf`) or {module-name pattern: style} (see the module docstring).
+    Call it before creating the optimizer: the parameters it replaces are gone.
     Sequence parallelism needs the model's norms and dropouts to run on sequence shards,
     which a name plan cannot arrange; use a model built for it (trident's GPT).
     """
@@ -269,9 +298,16 @@ def apply_tensor_parallel(model: nn.Module, tp_cfg, mesh, *, logger: CommsLogger
     loaded_split = any(getattr(m, "_trident_tp_loaded", False) for m in model.modules())  # trident.hf.from_pretrained
     if tp_cfg.plan is not None and not loaded_split:
         if tp_cfg.sequence_parallel and mesh.tp_size > 1:
-            raise ValueError("tensor_parallel.sequence_parallel=true needs a model whose norms and dropouts run "
-                             "on sequence shards, which tensor_parallel.plan cannot arrange; set plan to null "
-                             "and use a model built for it (trident.models.GPT), or sequence_parallel=false")
+            from trident.tensor_parallel import hf
+            if tp_cfg.plan not in ("hf", "auto") or hf.find_transformers_model(model) is None:
+                raise ValueError("tensor_parallel.sequence_parallel=true needs a model whose norms and dropouts run "
+                                 "on sequence shards: a transformers model with plan 'hf' or 'auto' (its decoder "
+                                 "layers and norms are found from its layout), or a model built for it "
+                                 "(trident.models.GPT, plan null); otherwise set sequence_parallel=false")
+            layout = hf.sequence_parallel_layout(model)
+            apply_plan(model, tp_cfg.plan, mesh, sequence_parallel=layout.uses_shards, logger=logger)
+            hf.enable_sequence_parallel(model, layout, mesh, logger)
+            return model
         return parallelize(model, tp_cfg.plan, mesh, logger=logger)
     if mesh.tp_size > 1 and not tp_layers(model) and hasattr(model, "parallelize_tensor"):
         model.parallelize_tensor(mesh, sequence_parallel=tp_cfg.sequence_parallel, logger=logger)
