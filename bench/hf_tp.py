@@ -2,9 +2,10 @@
 LlamaForCausalLM of about 50M parameters, side by side.
 
 Both systems load the same checkpoint (written once with `save_pretrained` into a temporary
-folder) and train on the same batches (every tp rank sees the same ones): trident through
-`trident.initialize` with `tensor_parallel: {size: N, plan: "hf"}` (the model's published plan
-applied with trident's layers), transformers through `from_pretrained(..., tp_plan="auto")`
+folder), each rank reading only its shard, and train on the same batches (every tp rank sees
+the same ones): trident through `trident.hf.from_pretrained` and `trident.initialize` with
+`tensor_parallel: {size: N, plan: "hf"}` (the model's published plan applied with trident's
+layers), transformers through `from_pretrained(..., tp_plan="auto")`
 with torch's AdamW. Each (system, repeat) runs in fresh processes so peak RSS is that run's
 own; systems alternate within each repeat in rotating order. Reports the median step time,
 median peak RSS per rank, parameter bytes per rank, the first loss (the two should agree),
@@ -42,13 +43,14 @@ def save_checkpoint(folder: str) -> int:
 
 
 def _trident(folder: str, tp: int):
-    import transformers
-
     import trident
-    model = CausalLM(transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
+    from trident.parallel.mesh import ParallelMesh
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 0,
            "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "tensor_parallel": {"size": tp, "plan": "hf"}}
-    engine, *_ = trident.initialize(model=model, config=cfg)
+    mesh = ParallelMesh.build(tp=tp)
+    # each rank reads only its tp shard of the checkpoint, as transformers' tp_plan loading does
+    model = CausalLM(trident.hf.from_pretrained(folder, mesh=mesh, config=cfg, dtype=torch.float32))
+    engine, *_ = trident.initialize(model=model, config=cfg, mesh=mesh)
 
     def step(batch: torch.Tensor) -> float:
         loss = engine(batch[:, :-1], batch[:, 1:])
