@@ -8,7 +8,8 @@ compares what every rank sees and turns a mismatch into one line:
   rendezvous store, not a collective, so it works even when the ranks would build different
   meshes; compares the config's hash, the world size and the torch / trident versions.
 - `run_preflight(cfg, mesh)`: one all-gather over the mesh compares the same facts plus the
-  layout, and a tiny all-reduce on every axis group checks that each group works.
+  layout (pp, dp, cp, ep, tp), and a tiny all-reduce on every axis group in use checks that
+  each group works.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch.distributed as dist
 
 from trident.diagnostics.channel import Channel
 from trident.diagnostics.failures import OneLineError
+from trident.parallel.topology import AXIS_ORDER
 
-_FIELDS = ("world size", "config", "torch version", "trident version", "layout (pp, dp, tp)")
+_FIELDS = ("world size", "config", "torch version", "trident version", "layout (pp, dp, cp, ep, tp)")
 _rounds: dict[tuple, int] = {}
 
 
@@ -35,7 +37,7 @@ def config_hash(cfg) -> str:
     return hashlib.sha256(cfg.resolved_json(indent=None).encode()).hexdigest()
 
 
-def _facts(cfg, layout: tuple[int, int, int] | None) -> list:
+def _facts(cfg, layout: tuple[int, ...] | None) -> list:
     import trident
 
     return [dist.get_world_size(), config_hash(cfg)[:15], torch.__version__, trident.__version__,
@@ -94,7 +96,7 @@ def _through_store(cfg) -> None:
 
 
 def _through_mesh(cfg, mesh) -> None:
-    layout = (mesh.pp_size, mesh.dp_size, mesh.tp_size)
+    layout = tuple(mesh.topology.size(axis) for axis in AXIS_ORDER)
     facts = _facts(cfg, layout)
     from trident.comm import collectives
 
@@ -103,7 +105,7 @@ def _through_mesh(cfg, mesh) -> None:
     quiet = mesh.mesh_rank != 0
     _first_mismatch({mesh.ranks[i]: f for i, f in enumerate(gathered)}, quiet)
     device = torch.device(mesh.device_mesh.device_type)
-    for axis in ("pp", "dp", "tp"):
+    for axis in AXIS_ORDER:  # every axis group in use, cp and ep included
         size = mesh.topology.size(axis)
         if size == 1:
             continue
