@@ -21,7 +21,6 @@ import json
 import math
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
@@ -36,7 +35,6 @@ from trident.hf.load import LoadError
 from trident.tensor_parallel import merge_state_dicts, shard_specs
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.memory import LiveTensorBytes
-from torch.utils._pytree import tree_flatten
 
 VOCAB, SEQ = 63, 16
 
@@ -112,27 +110,10 @@ LAYOUTS = {
 }
 
 
-class CpuTensorBytes(LiveTensorBytes):
-    """LiveTensorBytes of CPU tensors only (the skeleton's meta tensors have no memory)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key, nbytes = storage.data_ptr(), storage.nbytes()
-                if nbytes and key not in self.alive and key not in self.preexisting:
-                    self.alive.add(key)
-                    self.live += nbytes
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._free, key, nbytes)
-        return out
-
-
 def load_share(folder: str, layout: str):
     from trident.zero.init import GatheredParameters
     config, axes = LAYOUTS[layout]
-    with CpuTensorBytes(set()) as mem:
+    with LiveTensorBytes(set()) as mem:
         model = trident.hf.from_pretrained(folder, mesh=cached_mesh(**axes), config=config,
                                            attn_implementation="eager")
     report = dict(model.trident_load_report, peak=mem.peak)

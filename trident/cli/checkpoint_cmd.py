@@ -83,85 +83,59 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def run_export_hf(args: argparse.Namespace) -> int:
+def _run(verb: str, action) -> int:
+    """Run one subcommand: print what `action()` returns (to stdout: a folder, a summary), or
+    its CheckpointError / ValueError as one line on stderr with exit code 1."""
     from trident.checkpointing.state import CheckpointError
-    from trident.hf.export import export_checkpoint
 
     try:
-        out = export_checkpoint(args.checkpoint_dir, args.out, tag=args.tag, config=args.config,
-                                max_shard_size=args.max_shard_size, dtype=args.dtype)
+        text = action()
     except (CheckpointError, ValueError) as err:
-        print(f"trident checkpoint export-hf: {err}", file=sys.stderr)
+        print(f"trident checkpoint {verb}: {err}", file=sys.stderr)
         return 1
-    print(out)
+    print(text)
     return 0
+
+
+def run_export_hf(args: argparse.Namespace) -> int:
+    from trident.hf.export import export_checkpoint
+    return _run("export-hf", lambda: export_checkpoint(args.checkpoint_dir, args.out, tag=args.tag,
+                                                       config=args.config, max_shard_size=args.max_shard_size,
+                                                       dtype=args.dtype))
 
 
 def run_import_deepspeed(args: argparse.Namespace) -> int:
     from trident.checkpointing.deepspeed_import import import_deepspeed, read_deepspeed
-    from trident.checkpointing.state import CheckpointError
 
-    try:
+    def action() -> str:
         folder = import_deepspeed(args.ds_dir, args.out, tag=args.tag)
-    except CheckpointError as err:
-        print(f"trident checkpoint import-deepspeed: {err}", file=sys.stderr)
-        return 1
-    ds = read_deepspeed(args.ds_dir, args.tag)
-    print(f"imported DeepSpeed {ds.version} {ds.layout['kind']} checkpoint (dp {ds.layout['dp']}, pp "
-          f"{ds.layout['pp']}), step {ds.counters['global_steps']}, {len(ds.params)} parameters: {folder}",
-          file=sys.stderr)
-    print(folder)
-    return 0
+        ds = read_deepspeed(args.ds_dir, args.tag)
+        print(f"imported DeepSpeed {ds.version} {ds.layout['kind']} checkpoint (dp {ds.layout['dp']}, pp "
+              f"{ds.layout['pp']}), step {ds.counters['global_steps']}, {len(ds.params)} parameters: {folder}",
+              file=sys.stderr)
+        return folder
+    return _run("import-deepspeed", action)
 
 
 def run_consolidate(args: argparse.Namespace) -> int:
     from trident.checkpointing.consolidate import consolidate
-    from trident.checkpointing.state import CheckpointError
-
-    try:
-        out = consolidate(args.checkpoint_dir, args.out, tag=args.tag)
-    except CheckpointError as err:
-        print(f"trident checkpoint consolidate: {err}", file=sys.stderr)
-        return 1
-    print(out)
-    return 0
+    return _run("consolidate", lambda: consolidate(args.checkpoint_dir, args.out, tag=args.tag))
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     from trident.checkpointing.consolidate import checkpoint_folder
     from trident.checkpointing.inspect import describe
-    from trident.checkpointing.state import CheckpointError
-
-    try:
-        print(describe(checkpoint_folder(args.checkpoint_dir, args.tag), verify=args.verify))
-    except CheckpointError as err:
-        print(f"trident checkpoint inspect: {err}", file=sys.stderr)
-        return 1
-    return 0
+    return _run("inspect", lambda: describe(checkpoint_folder(args.checkpoint_dir, args.tag), verify=args.verify))
 
 
 def run_reshard(args: argparse.Namespace) -> int:
     from trident.checkpointing.consolidate import checkpoint_folder
     from trident.checkpointing.reshard import reshard
-    from trident.checkpointing.state import CheckpointError
-
-    try:
-        out = reshard(checkpoint_folder(args.checkpoint_dir, args.tag), args.out, pp=args.pp, tp=args.tp, dp=args.dp)
-    except (CheckpointError, ValueError) as err:
-        print(f"trident checkpoint reshard: {err}", file=sys.stderr)
-        return 1
-    print(out)
-    return 0
+    return _run("reshard", lambda: reshard(checkpoint_folder(args.checkpoint_dir, args.tag), args.out,
+                                           pp=args.pp, tp=args.tp, dp=args.dp))
 
 
 def run_merge_lora(args: argparse.Namespace) -> int:
-    from trident.checkpointing.state import CheckpointError
     from trident.peft.merge import merge_lora_checkpoint
-
-    try:
-        _, summary = merge_lora_checkpoint(args.checkpoint_dir, args.out, tag=args.tag, scaling=args.scaling)
-    except (CheckpointError, ValueError) as err:
-        print(f"trident checkpoint merge-lora: {err}", file=sys.stderr)
-        return 1
-    print(summary)
-    return 0
+    return _run("merge-lora", lambda: merge_lora_checkpoint(args.checkpoint_dir, args.out, tag=args.tag,
+                                                            scaling=args.scaling)[1])

@@ -26,8 +26,9 @@ def apply_context_parallel(model: nn.Module, section, mesh, logger: CommsLogger 
     cp = ContextParallel.from_mesh(mesh, section.method, section.ulysses_size, logger)
     targets = _aware_modules(model)
     if not targets:
-        from trident.context_parallel.hf import causal_lm, parallelize_transformers
-        if causal_lm(model) is not None:  # an unmodified transformers model: its attention is swapped
+        from trident.context_parallel.hf import parallelize_transformers
+        from trident.pipeline.hf import find_causal_lm
+        if find_causal_lm(model) is not None:  # an unmodified transformers model: its attention is swapped
             parallelize_transformers(model, cp)
             bind(model, cp)
             return cp

@@ -23,18 +23,9 @@ from torch import nn
 
 from trident.context_parallel.attention import attention
 from trident.context_parallel.layout import ContextParallel
+from trident.pipeline.hf import find_causal_lm
 
 IMPLEMENTATION = "trident_context_parallel"
-
-
-def causal_lm(model: nn.Module) -> nn.Module | None:
-    """The transformers causal LM in `model` (itself or inside a wrapper), or None."""
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "model_type") and hasattr(module, "loss_function") \
-                and hasattr(module, "get_output_embeddings"):
-            return module
-    return None
 
 
 def _attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -59,7 +50,7 @@ def _register() -> None:
 
 def parallelize_transformers(model: nn.Module, cp: ContextParallel) -> None:
     """Make the causal LM inside `model` run on this cp rank's chunks (see the module docstring)."""
-    lm = causal_lm(model)
+    lm = find_causal_lm(model)
     if lm is None:
         raise ValueError(f"{type(model).__name__} holds no transformers causal LM")
     heads = [m for m in lm.modules() if hasattr(m, "num_key_value_groups") or type(m).__name__.endswith("Attention")]

@@ -28,7 +28,7 @@ class LiveTensorBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":  # meta tensors hold no memory
                 storage = t.untyped_storage()
                 key, nbytes = storage.data_ptr(), storage.nbytes()
                 if nbytes and key not in self.alive and key not in self.preexisting:
