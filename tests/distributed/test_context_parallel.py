@@ -119,3 +119,27 @@ def _bad_inputs():
 
 def test_heads_not_divisible_for_ulysses():
     assert all(run_on_ranks(2, _bad_inputs))
+
+
+def _doc_gathers(method: str, ulysses_size: int | None) -> tuple[int, int]:
+    """All-gathers of document ids over three layers' attention in one forward, then over one
+    more layer after the ids changed in place (a new batch written into the same tensor)."""
+    mesh = cached_mesh(cp=torch.distributed.get_world_size())
+    logger = CommsLogger(enabled=True, prof_all=True)
+    cp = ContextParallel.from_mesh(mesh, method, ulysses_size, logger)
+    q = cp.shard(torch.randn(B, H, 16, D, generator=torch.Generator().manual_seed(3)), dim=2)
+    docs = cp.shard(torch.tensor([[0] * 6 + [1] * 10] * B), dim=1)
+    for _ in range(3):
+        attention(q, q, q, doc_ids=docs, cp=cp)
+    once = logger.totals()["all_gather_list"].calls
+    docs.add_(1)
+    attention(q, q, q, doc_ids=docs, cp=cp)
+    return once, logger.totals()["all_gather_list"].calls - once
+
+
+@pytest.mark.parametrize("method,ulysses", [("ring", None), ("ulysses", None), ("hybrid", 2)])
+def test_document_ids_are_gathered_once_per_forward(method, ulysses):
+    world = 4 if method == "hybrid" else 2
+    phases = 2 if method == "hybrid" else 1  # hybrid: inside the Ulysses group, then over the ring
+    for once, again in run_on_ranks(world, _doc_gathers, method, ulysses):
+        assert (once, again) == (phases, phases)

@@ -17,7 +17,9 @@ causal attention, so the same model code runs with and without cp.
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +52,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         return _local_attention(q, k, v, causal, doc_ids, scale)
     if cp.method == "ring":
         plan = _ring_plan(cp, [cp.chunks_of(r) for r in range(cp.size)], q.shape[2] // 2, causal,
-                          doc_ids, cp.ring_group, cp.size, cp.rank, scale)
+                          doc_ids, cp.ring_group, cp.size, cp.rank, scale, key=doc_ids)
         return RingAttention.apply(q, k, v, plan)
     u = cp.ulysses_size
     for name, t in (("query", q), ("key/value", k)):
@@ -62,7 +64,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     members = range(cp.rank - group_rank, cp.rank - group_rank + u)
     chunks = [c for m in members for c in cp.chunks_of(m)]
     q, k, v = (to_heads(t, cp.ulysses_group, u, cp.logger) for t in (q, k, v))
-    docs = gather_docs(doc_ids, cp.ulysses_group, u, cp.logger) if doc_ids is not None else None
+    docs = (gathered_docs(cp, doc_ids, "ulysses", lambda: gather_docs(doc_ids, cp.ulysses_group, u, cp.logger))
+            if doc_ids is not None else None)
     chunk_len = q.shape[2] // len(chunks)
     if cp.method == "ulysses":
         order = natural_order(chunks, chunk_len, q.device)
@@ -73,16 +76,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     else:
         rings = cp.size // u
         sets = [tuple(c for m in range(g * u, (g + 1) * u) for c in cp.chunks_of(m)) for g in range(rings)]
-        plan = _ring_plan(cp, sets, chunk_len, causal, docs, cp.ring_group, rings, cp.rank // u, scale)
+        plan = _ring_plan(cp, sets, chunk_len, causal, docs, cp.ring_group, rings, cp.rank // u, scale,
+                          key=doc_ids)
         y = RingAttention.apply(q, k, v, plan)
     return to_sequence(y, cp.ulysses_group, u, cp.logger)
 
 
-def _ring_plan(cp, chunk_sets, chunk_len, causal, doc_ids, group, size, rank, scale) -> RingPlan:
+def gathered_docs(cp: ContextParallel, doc_ids: torch.Tensor, phase: str, gather: Callable):
+    """`gather()`, once per forward rather than once per layer: every attention layer of a
+    forward gets the same `doc_ids` tensor, so the ids gathered for the first layer serve the
+    rest (and the recomputation of checkpointed layers). Keyed by that tensor's identity and
+    version, so new ids (the next batch) or ids changed in place are gathered again. All ranks
+    of a group pass their ids alike, so they hit or miss together and the collectives match."""
+    hit = cp.doc_cache.get(phase)
+    if hit is not None and hit[0]() is doc_ids and hit[1] == doc_ids._version:
+        return hit[2]
+    value = gather()
+    cp.doc_cache[phase] = (weakref.ref(doc_ids), doc_ids._version, value)
+    return value
+
+
+def _ring_plan(cp, chunk_sets, chunk_len, causal, doc_ids, group, size, rank, scale, key=None) -> RingPlan:
     docs = None
-    if doc_ids is not None:  # every ring rank's document ids, once per call (a few bytes per token)
-        docs = [torch.empty_like(doc_ids) for _ in range(size)]
-        collectives.all_gather_list(docs, doc_ids.contiguous(), group=group, logger=cp.logger)
+    if doc_ids is not None:  # every ring rank's document ids (a few bytes per token)
+        def gather() -> list[torch.Tensor]:
+            pieces = [torch.empty_like(doc_ids) for _ in range(size)]
+            collectives.all_gather_list(pieces, doc_ids.contiguous(), group=group, logger=cp.logger)
+            return pieces
+        docs = gathered_docs(cp, key, "ring", gather)
     return RingPlan(group, size, rank, chunk_sets, chunk_len, causal, docs, scale, cp.logger, cp.stats)
 
 

@@ -49,6 +49,8 @@ class ContextParallel:
     ring_group: dist.ProcessGroup | None = None
     logger: CommsLogger | None = None
     stats: dict = field(default_factory=lambda: {"block_pairs": 0, "score_elements": 0})
+    doc_cache: dict = field(default_factory=dict, repr=False)
+    """Gathered document ids of the forward running now, by phase (`attention.gathered_docs`)."""
 
     def __deepcopy__(self, memo: dict) -> ContextParallel:
         return self  # process groups cannot be copied; a copied model talks to the same ranks
