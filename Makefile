@@ -10,7 +10,7 @@ STAMP := $(VENV)/.trident-installed
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.deepspeed-installed
 
-.PHONY: demo test bench bench-zero install clean
+.PHONY: demo test bench bench-zero gpu-check install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
-	$(PY) bench/dp_vs_ddp.py
+# Every strategy beside its peer in one interleaved run (bench/suite.py; tables and plot in
+# bench/results/). The DeepSpeed rows need the bench venv: made when missing (not remade when
+# pyproject.toml changes, which would reinstall DeepSpeed). BENCH_ARGS=--quick: a 2-repeat smoke run.
+BENCH_ARGS ?=
+bench:
+	@test -f $(BENCH_STAMP) || $(MAKE) $(BENCH_STAMP)
+	$(BENCH_VENV)/bin/python bench/suite.py $(BENCH_ARGS)
 
 # DeepSpeed lives in a venv of its own (bench/README.md, "DeepSpeed on CPU with gloo"): torch is
 # installed first and pinned, so the DeepSpeed install can never pull a CUDA build.
@@ -45,6 +50,10 @@ $(BENCH_STAMP): pyproject.toml
 
 bench-zero: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/zero_vs_peers.py
+
+# Needs CUDA (CI has none), so it is not part of `make test`; README.md, "GPU check".
+gpu-check: $(STAMP)
+	$(VENV)/bin/trident doctor --gpu
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache

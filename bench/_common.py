@@ -21,6 +21,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+# The demo GPT (trident/configs/demo.json's "demo" preset with the bundled tokenizer's 4096-token
+# vocabulary; 4.24M parameters, tied embeddings), the reference model of most benchmarks here.
+DEMO_GPT = dict(vocab_size=4096, seq_len=128, n_layer=4, n_head=4, d_model=256)
+# Issue 24's shape: 3.7M parameters (untied embeddings, vocabulary 1024), global batch 16.
+GPT_3_7M = dict(vocab_size=1024, seq_len=128, n_layer=4, n_head=4, d_model=256, tie_embeddings=False)
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago, for MASTER_PORT."""
     with socket.socket() as s:

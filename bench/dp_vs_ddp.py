@@ -6,7 +6,11 @@ and the systems are interleaved repeat by repeat, in rotating order, so machine 
 hits them alike. Prints the
 median step time and median peak RSS per rank of each system and the ratios to DDP.
 
-    python bench/dp_vs_ddp.py [--worlds 2 4] [--repeats 3] [--steps 12]
+Models: `demo` (the demo GPT, 4.24M parameters, micro batch 4 per rank) or `gpt-3.7m` (issue
+24's shape: 4 layers, d_model 256, 4 heads, vocabulary 1024, untied embeddings, sequence 128,
+global batch 16 split over the ranks).
+
+    python bench/dp_vs_ddp.py [--model demo|gpt-3.7m] [--worlds 2 4] [--repeats 3] [--steps 12]
 """
 
 from __future__ import annotations
@@ -20,17 +24,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _common import build_gpt, free_port, peak_rss_bytes, rotated, start_rank, timed_steps, token_batches
+from _common import (DEMO_GPT, GPT_3_7M, build_gpt, free_port, peak_rss_bytes, rotated, start_rank, timed_steps,
+                     token_batches)
 
-MODEL = dict(vocab_size=4096, seq_len=128, n_layer=4, n_head=4, d_model=256)
+MODEL = DEMO_GPT
 MICRO = 4
+# --model: (shape, micro batch per rank at world w); gpt-3.7m keeps the global batch at 16
+MODELS = {"demo": (DEMO_GPT, lambda world: MICRO), "gpt-3.7m": (GPT_3_7M, lambda world: max(1, 16 // world))}
 WARMUP = 3
 BUCKET_MB = 25  # DDP's default bucket_cap_mb; trident gets the same bucket size in elements
 
 
-def _trident_step_fn(model, world: int, bucket_elements: int):
+def _trident_step_fn(model, world: int, bucket_elements: int, micro: int = MICRO):
     import trident
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 0,
+    cfg = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": 0, "reduce_bucket_size": bucket_elements}}
     engine, *_ = trident.initialize(model=model, config=cfg)
@@ -55,27 +62,31 @@ def _ddp_step_fn(model, world: int, bucket_view: bool):
     return step
 
 
-def _worker(rank: int, world: int, port: int, system: str, steps: int, out) -> None:
+def step_fn(system: str, model, world: int, micro: int = MICRO):
+    """One training step of `system` ("trident", "ddp", "ddp-bucket-view") on a built model."""
+    if system == "trident":
+        return _trident_step_fn(model, world, BUCKET_MB * 2**20 // 4, micro)
+    return _ddp_step_fn(model, world, bucket_view=system == "ddp-bucket-view")
+
+
+def _worker(rank: int, world: int, port: int, system: str, steps: int, out, model_name: str = "demo") -> None:
     start_rank(rank, world, port)
     sys.stdout = open(os.devnull, "w")  # keep trident's start-up tables out of the report
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = build_gpt(MODEL)
-    if system == "trident":
-        step = _trident_step_fn(model, world, BUCKET_MB * 2**20 // 4)
-    else:
-        step = _ddp_step_fn(model, world, bucket_view=system == "ddp-bucket-view")
-    median, faults = timed_steps(step, token_batches(rank, MODEL, MICRO), WARMUP, steps)
+    shape, micro = MODELS[model_name][0], MODELS[model_name][1](world)
+    step = step_fn(system, build_gpt(shape), world, micro)
+    median, faults = timed_steps(step, token_batches(rank, shape, micro), WARMUP, steps)
     out.put((rank, median, peak_rss_bytes(), faults))
     dist.destroy_process_group()
 
 
-def run_once(system: str, world: int, steps: int) -> tuple[float, float, float]:
+def run_once(system: str, world: int, steps: int, model_name: str = "demo") -> tuple[float, float, float]:
     """One fresh multi-process run: the slowest rank's median step seconds, the largest peak
     RSS, and the most minor page faults per step of any rank."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, system, steps, out)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, system, steps, out, model_name)) for r in range(world)]
     for p in procs:
         p.start()
     results = [out.get(timeout=600) for _ in procs]
@@ -91,16 +102,20 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--model", choices=sorted(MODELS), default="demo",
+                        help="demo: the demo GPT, micro batch 4 per rank; gpt-3.7m: issue 24's shape, global batch 16")
     args = parser.parse_args()
     systems = ["ddp", "ddp-bucket-view", "trident"]
-    n_params = sum(p.numel() for p in build_gpt(MODEL).parameters())
-    print(f"GPT {MODEL} ({n_params / 1e6:.1f}M params), micro batch {MICRO} per rank, AdamW, gloo, "
+    shape = MODELS[args.model][0]
+    n_params = sum(p.numel() for p in build_gpt(shape).parameters())
+    micro = ", ".join(f"{MODELS[args.model][1](w)} at world {w}" for w in args.worlds)
+    print(f"GPT {shape} ({n_params / 1e6:.2f}M params), micro batch per rank {micro}, fp32, AdamW, gloo, "
           f"1 thread/rank, {args.steps} timed steps after {WARMUP} warm-up, {args.repeats} interleaved repeats")
     for world in args.worlds:
         samples: dict[str, list[tuple[float, float, float]]] = {s: [] for s in systems}
         for r in range(args.repeats):
             for system in rotated(systems, r):
-                samples[system].append(run_once(system, world, args.steps))
+                samples[system].append(run_once(system, world, args.steps, args.model))
         print(f"\nworld size {world}")
         print(f"{'system':<18}{'step ms (median)':>18}{'peak RSS/rank MiB':>20}{'faults/step':>13}"
               f"{'time / DDP':>12}{'RSS / DDP':>11}")

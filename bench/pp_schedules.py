@@ -50,49 +50,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _batch(m: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batch(m: int, step: int, shape: dict = MODEL, micro: int = MICRO) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, MODEL["vocab_size"], (m * MICRO, MODEL["seq_len"] + 1), generator=g)
-    return [(tokens[k:k + MICRO, :-1], tokens[k:k + MICRO, 1:]) for k in range(0, m * MICRO, MICRO)]
+    tokens = torch.randint(0, shape["vocab_size"], (m * micro, shape["seq_len"] + 1), generator=g)
+    return [(tokens[k:k + micro, :-1], tokens[k:k + micro, 1:]) for k in range(0, m * micro, micro)]
 
 
-def _gpt():
+def _gpt(shape: dict = MODEL):
     from trident.models.gpt import GPT, GPTConfig
     torch.manual_seed(0)
-    return GPT(GPTConfig(**MODEL))
+    return GPT(GPTConfig(**{"dropout": 0.0, **shape}))
 
 
 # -- the three systems; each returns step(step_index) -> None ---------------------------------
 
-def _trident(schedule: str, v: int, m: int, mesh):
+def _trident(schedule: str, v: int, m: int, mesh, shape: dict = MODEL, micro: int = MICRO):
+    """(engine, step(step index)) for trident's pipeline engine over pp = 2 with `schedule`."""
     import trident
     from trident.models.gpt import GPTConfig
     from trident.models.gpt_pipe import gpt_pipe, load_gpt_state_dict
 
-    cfg = GPTConfig(**MODEL)
+    cfg = GPTConfig(**{"dropout": 0.0, **shape})
     pipe = gpt_pipe(cfg, 2, partition_method="type:Block", virtual_stages=v, stage_id=mesh.pp_rank)
-    load_gpt_state_dict(pipe, _gpt().state_dict(), cfg)
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m, "steps_per_print": 0,
+    load_gpt_state_dict(pipe, _gpt(shape).state_dict(), cfg)
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": m, "steps_per_print": 0,
               "optimizer": {"type": "AdamW", "params": {"lr": LR}},
               "pipeline": {"stages": 2, "schedule": schedule, "virtual_stages": v,
                            "partition_method": "type:Block"}}
     engine, *_ = trident.initialize(model=pipe, config=config, mesh=mesh)
-    return engine, lambda step: engine.train_batch(iter(_batch(m, step)))
+    return engine, lambda step: engine.train_batch(iter(_batch(m, step, shape, micro)))
 
 
 class _TorchStage(nn.Module):
-    """Half of the GPT for torch.distributed.pipelining: embeddings + 2 blocks, or 2 blocks + head."""
+    """Half of the GPT for torch.distributed.pipelining: embeddings + 2 blocks, or 2 blocks + head
+    (a copy of the token table when the GPT ties them; its gradient is summed over the stages)."""
 
     def __init__(self, gpt, first: bool) -> None:
         super().__init__()
         half = len(gpt.blocks) // 2
         self.first = first
+        self.tied = gpt.config.tie_embeddings
         self.blocks = nn.ModuleList(gpt.blocks[:half] if first else gpt.blocks[half:])
         if first:
             self.embed = gpt.embed
         else:
             self.ln_f = gpt.ln_f
-            self.head = nn.Parameter(gpt.embed.wte.weight.detach().clone())  # the tied copy
+            head = gpt.embed.wte.weight if self.tied else gpt.lm_head.weight
+            self.head = nn.Parameter(head.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
@@ -102,12 +106,13 @@ class _TorchStage(nn.Module):
         return x if self.first else F.linear(self.ln_f(x), self.head)
 
 
-def _torch(schedule: str, m: int, mesh):
+def _torch(schedule: str, m: int, mesh, shape: dict = MODEL, micro: int = MICRO):
+    """step(step index) for torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B over pp = 2."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     first = mesh.pp_rank == 0
-    module = _TorchStage(_gpt(), first)
-    tied = module.embed.wte.weight if first else module.head
+    module = _TorchStage(_gpt(shape), first)
+    tied = (module.embed.wte.weight if first else module.head) if module.tied else None
     stage = PipelineStage(module, mesh.pp_rank, 2, torch.device("cpu"), group=mesh.pp_group)
 
     def loss_fn(logits, target):
@@ -117,12 +122,13 @@ def _torch(schedule: str, m: int, mesh):
     opt = torch.optim.AdamW(module.parameters(), lr=LR)
 
     def step(i: int) -> None:
-        batch = _batch(m, i)
+        batch = _batch(m, i, shape, micro)
         if first:
             runner.step(torch.cat([x for x, _ in batch]))
         else:
             runner.step(target=torch.cat([y for _, y in batch]), losses=[])
-        dist.all_reduce(tied.grad, group=mesh.pp_group)  # the tied embedding's two gradients
+        if tied is not None:
+            dist.all_reduce(tied.grad, group=mesh.pp_group)  # the tied embedding's two gradients
         opt.step()
         opt.zero_grad()
     return step

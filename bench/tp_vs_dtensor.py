@@ -32,15 +32,15 @@ WARMUP = 2
 SYSTEMS = ["dtensor", "trident"]
 
 
-def _gpt(mesh=None, sequence_parallel: bool = False):
+def _gpt(mesh=None, sequence_parallel: bool = False, shape: dict = MODEL):
     from trident.models.gpt import GPT, GPTConfig
     torch.manual_seed(0)
-    return GPT(GPTConfig(**MODEL), mesh, sequence_parallel=sequence_parallel)
+    return GPT(GPTConfig(**shape), mesh, sequence_parallel=sequence_parallel)
 
 
-def _trident(world: int, sp: bool):
+def _trident(world: int, sp: bool, shape: dict = MODEL):
     from trident.parallel.mesh import ParallelMesh
-    model = _gpt(ParallelMesh.build(tp=world), sp)
+    model = _gpt(ParallelMesh.build(tp=world), sp, shape)
     return model, lambda x, y: model(x, y), [_adamw(model.parameters())]
 
 
@@ -70,11 +70,13 @@ def _dtensor_plan(n_layer: int, sp: bool) -> dict:
     return plan
 
 
-def _dtensor(world: int, sp: bool):
+def _dtensor(world: int, sp: bool, shape: dict = MODEL):
+    """Needs untied embeddings (`shape["tie_embeddings"]` False): a module plan unties them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-    model = parallelize_module(_gpt(), init_device_mesh("cpu", (world,)), _dtensor_plan(MODEL["n_layer"], sp))
+    mesh = init_device_mesh("cpu", (world,))
+    model = parallelize_module(_gpt(shape=shape), mesh, _dtensor_plan(shape["n_layer"], sp))
 
     def loss_fn(x, y):
         with loss_parallel():
@@ -112,11 +114,10 @@ def expected_trident_bytes(world: int) -> int:
     return 4 * total
 
 
-def _worker(rank: int, port: int, world: int, system: str, sp: bool, steps: int, out) -> None:
-    start_rank(rank, world, port)
-    sys.stdout = open(os.devnull, "w")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    model, loss_fn, optimizers = (_trident if system == "trident" else _dtensor)(world, sp)
+def make_step(system: str, world: int, sp: bool, shape: dict = MODEL):
+    """(model, step(batch), first losses) for "trident" or "dtensor" at tp = world; every tp rank
+    must be fed the same batches."""
+    model, loss_fn, optimizers = (_trident if system == "trident" else _dtensor)(world, sp, shape)
     first_loss = []
 
     def step(batch):
@@ -132,7 +133,14 @@ def _worker(rank: int, port: int, world: int, system: str, sp: bool, steps: int,
             opt.zero_grad(set_to_none=True)
         if not first_loss:
             first_loss.append(float((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()))
+    return model, step, first_loss
 
+
+def _worker(rank: int, port: int, world: int, system: str, sp: bool, steps: int, out) -> None:
+    start_rank(rank, world, port)
+    sys.stdout = open(os.devnull, "w")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model, step, first_loss = make_step(system, world, sp)
     median, _ = timed_steps(step, token_batches(0, MODEL, MICRO), WARMUP, steps)  # one batch stream: tp ranks share it
     out.put((rank, median, peak_rss_bytes(), _param_bytes(model.parameters()), first_loss[0]))
     dist.destroy_process_group()

@@ -172,11 +172,13 @@ def live_tensor_bytes(model: torch.nn.Module) -> int:
 System = tuple[Callable[[torch.Tensor], None], Callable[[], None], Callable[[], dict[str, int]]]
 
 
-def _trident(model: torch.nn.Module, stage: int, world: int) -> System:
+def _trident(model: torch.nn.Module, stage: int, world: int, micro: int = MICRO, offload: bool = False) -> System:
+    """`offload`: ZeRO-Offload, the optimizer states and step on the CPU (bench/suite.py's row)."""
     import trident
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 0,
+    zero = zero_keys(stage) | ({"offload_optimizer": {"device": "cpu"}} if offload else {})
+    cfg = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 0,
            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-           "zero_optimization": zero_keys(stage)}
+           "zero_optimization": zero}
     engine, *_ = trident.initialize(model=model, config=cfg)
 
     def backward(batch: torch.Tensor) -> None:
@@ -184,15 +186,22 @@ def _trident(model: torch.nn.Module, stage: int, world: int) -> System:
     return backward, engine.step, engine.memory_breakdown
 
 
-def _deepspeed(model: torch.nn.Module, stage: int, world: int) -> System:
+def _deepspeed(model: torch.nn.Module, stage: int, world: int, micro: int = MICRO, offload: bool = False) -> System:
+    """`offload`: DeepSpeed's ZeRO-Offload, which requires its own C++ CPU Adam (built on first use)
+    from the config's optimizer section; otherwise torch's AdamW, as for the other systems."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
-    # torch's AdamW, as for the other systems: DeepSpeed's own Adam kernels are compiled ops.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
            "steps_per_print": 2**31 - 1, "zero_allow_untested_optimizer": True,
            "zero_optimization": zero_keys(stage)}
-    engine, zero, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR}}
+        optimizer = None
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+    engine, zero, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg,
+                                              model_parameters=model.parameters() if offload else None)
 
     def backward(batch: torch.Tensor) -> None:
         engine.backward(engine(batch[:, :-1], batch[:, 1:]))
@@ -202,7 +211,7 @@ def _deepspeed(model: torch.nn.Module, stage: int, world: int) -> System:
     return backward, engine.step, breakdown
 
 
-def _fsdp2(model: torch.nn.Module, stage: int, world: int) -> System:
+def _fsdp2(model: torch.nn.Module, stage: int, world: int, micro: int = MICRO) -> System:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (world,))

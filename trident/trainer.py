@@ -37,6 +37,7 @@ from trident.monitor.plot import plot_metrics
 from trident.monitor.progress import ProgressBar
 from trident.monitor.writers import CSVMonitor, TensorBoardMonitor
 from trident.parallel.mesh import ParallelMesh
+from trident.planner.check import STEPS_BEFORE_REPORT, step_time_report
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.json"
 
@@ -143,6 +144,7 @@ def train(cfg: TridentConfig) -> Path:
     bar = ProgressBar(steps, enabled=is_writer)
     ckpt_dir = str(run_dir / "checkpoints")
     metrics = {"loss": float("nan")}
+    step_seconds: list[float] = []  # the first few steps' wall time, for the planner's step-time check
     for step in range(engine.global_steps + 1, steps + 1):
         start = time.perf_counter()
         counts = torch.zeros(2)  # padding and input tokens of this rank's micro-batches
@@ -167,6 +169,9 @@ def train(cfg: TridentConfig) -> Path:
             metrics["pad_share"] = (counts[0] / counts[1]).item()
         if step == 1 and is_writer:
             logger.info(_memory_report(engine, model_cfg))
+        step_seconds.append(time.perf_counter() - start)
+        if len(step_seconds) == STEPS_BEFORE_REPORT and is_writer:
+            logger.info(step_time_report(engine, model_cfg, step_seconds))
         bar.update(step, metrics)
         if is_writer and step % cfg.trainer.log_interval == 0:
             csv.write_events([(k, v, step) for k, v in metrics.items()])

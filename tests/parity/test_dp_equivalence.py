@@ -44,6 +44,7 @@ def config(micro: int, gas: int, clip: float, precision: str = "fp32", optimizer
         "optimizer": optimizer_section(optimizer, OPT_LR[optimizer]),
         "gradient_clipping": clip,
         "bf16": {"enabled": precision == "bf16"},
+        "communication_data_type": "fp32",  # gradients summed in fp32 (DeepSpeed's default in bf16 is bf16)
         # small buckets so several all-reduces overlap with backward
         "zero_optimization": {"stage": 0, "reduce_bucket_size": 5000},
         "steps_per_print": 0,

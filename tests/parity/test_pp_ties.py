@@ -155,3 +155,23 @@ def test_two_tied_keys_over_three_stages_match_serial(schedule):
         assert_state_close(got["weights"], {k: ref.weights[k] for k in got["weights"]}, rtol=1e-5)
         covered |= got["weights"].keys()
     assert covered == set(ref.weights)
+
+
+def _initialize_tied_copy_only_stage() -> str:
+    """Stage 1 holds only the output projection, a copy of stage 0's embedding: no parameter."""
+    mesh = cached_mesh(pp=2)
+    layers = [TiedLayerSpec("embed", Embed, EMBED_SEED), LayerSpec(Block, 1),
+              TiedLayerSpec("embed", Embed, EMBED_SEED, forward_fn=logits)]
+    pipe = PipelineModule(layers, 2, loss_fn=loss_fn, partition_method="uniform", stage_id=mesh.pp_rank)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": optimizer_section("sgd", LR),
+              "pipeline": {"stages": 2, "partition_method": "uniform"}, "steps_per_print": 0}
+    with pytest.raises(ValueError) as err:
+        trident.initialize(model=pipe, config=config, mesh=mesh)
+    return str(err.value)
+
+
+def test_a_stage_holding_only_tied_copies_is_refused_with_the_reason():
+    messages = run_on_ranks(2, _initialize_tied_copy_only_stage)
+    assert messages[0] == messages[1]  # both stages stop with the same error, neither waits
+    assert "pipeline stage(s) [1] of 2 hold no trainable parameter" in messages[0]
+    assert "copies of tied weights" in messages[0] and "partition" in messages[0]

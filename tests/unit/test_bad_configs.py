@@ -41,9 +41,14 @@ CASES = [
      "zero_optimization.reduce_bucket_size: expected a positive integer, got 2.5 (float)"),
     ("zero stage 7", {"zero_optimization": {"stage": 7}}, None,
      "zero_optimization.stage: expected one of 0, 1, 2, 3 (the ZeRO stage), got 7"),
-    ("known but unimplemented ZeRO key", {"zero_optimization": {"stage": 1, "zero_quantized_weights": True}},
-     None, "zero_optimization.zero_quantized_weights: true asks for ZeRO++ quantized weights (qwZ), which trident "
-           "does not implement; remove the key or switch it off"),
+    ("known but unimplemented ZeRO key", {"zero_optimization": {"stage": 1, "zeropp_loco_param": {"err_beta": 0.8}}},
+     None, "zero_optimization.zeropp_loco_param: {\"err_beta\": 0.8} asks for ZeRO++ LoCo error feedback, which "
+           "trident does not implement; remove the key or switch it off"),
+    ("ZeRO++ below stage 3", {"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}, None,
+     "zero_optimization.zero_quantized_weights: true needs stage 3 (ZeRO++ works on partitioned parameters), "
+     "but stage is 2; set stage to 3 or remove the key"),
+    ("lower-precision gradients misspelt", {"communication_data_type": "float16"}, None,
+     "communication_data_type: expected one of 'fp32', 'fp16', 'bf16' or null, got 'float16' (str)"),
     ("optimizer offload without ZeRO", {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
      None, "offload_optimizer.device is 'cpu' but stage is 0; offload_optimizer needs stage >= 1"),
     ("DeepSpeed-only top-level section", {"flops_profiler": {"enabled": True}}, None,
@@ -51,8 +56,8 @@ CASES = [
     ("unknown optimizer type", {"optimizer": {"type": "AdamX", "params": {}}}, None,
      "optimizer.type: unknown optimizer type 'AdamX'; did you mean 'Adam'? Allowed optimizer types: Adam, AdamW, "
      "SGD, Adagrad, Lion"),
-    ("DeepSpeed-only optimizer", {"optimizer": {"type": "OneBitAdam"}}, None,
-     "optimizer.type: 'OneBitAdam' is a DeepSpeed optimizer that this version of trident does not implement"),
+    ("DeepSpeed-only optimizer", {"optimizer": {"type": "Muon"}}, None,
+     "optimizer.type: 'Muon' is a DeepSpeed optimizer that this version of trident does not implement"),
     ("unknown optimizer param", {"optimizer": {"type": "AdamW", "params": {"weight_decy": 0.1}}}, None,
      "optimizer.params.weight_decy: unknown key; did you mean 'weight_decay'?"),
     ("bad lr", {"optimizer": {"type": "SGD", "params": {"lr": 0}}}, None,

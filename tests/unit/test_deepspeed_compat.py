@@ -88,8 +88,8 @@ def test_legacy_names_map_to_todays():
 def test_an_enabled_feature_trident_lacks_is_refused_by_name():
     assert "flops_profiler: {\"enabled\": true} asks for the FLOPs profiler, which trident does not implement" \
         in error({"flops_profiler": {"enabled": True}})
-    assert "asks for ZeRO++ quantized gradients (qgZ)" in error(
-        {"zero_optimization": {"zero_quantized_gradients": True}})
+    assert "asks for ZeRO++ LoCo error feedback" in error(
+        {"zero_optimization": {"zeropp_loco_param": {"err_beta": 0.8}}})
     assert "bf16.bf16_master_weights_and_grads: true asks for bf16 master weights" in error(
         {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})
     assert "sparse_gradients: true asks for sparse embedding gradients" in error({"sparse_gradients": True})

@@ -131,7 +131,10 @@ def test_compute_per_rank_divides_by_cp():
     w = Workload(SEQ, 8)
     one = estimate(LLAMA7, Layout(dp=1, zero_stage=3, activation_checkpointing="full"), make_cluster("a100-80gb", 1), w)
     eight = estimate(LLAMA7, Layout(dp=1, cp=8, zero_stage=3, activation_checkpointing="full"), A100, w)
-    assert eight.time.compute == pytest.approx(one.time.compute / 8, rel=1e-9)
+    # GEMMs are priced by shape: 1/8 of the tokens per rank is 1/8 of the time while the
+    # smaller GEMMs still fill the GPU (here they do, to a fraction of a percent), never less
+    assert eight.time.compute == pytest.approx(one.time.compute / 8, rel=0.01)
+    assert eight.time.compute >= one.time.compute / 8
 
 
 def test_layout_with_cp_describes_and_counts_it():
@@ -191,11 +194,21 @@ def test_cli_config_reads_context_parallel(tmp_path, capsys):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
                                "zero_optimization": {"stage": 3},
-                               "context_parallel": {"size": 4, "method": "ulysses"}}))
+                               "context_parallel": {"size": 4, "method": "ulysses"},
+                               "activation_checkpointing": {"layers": ["layers"]}}))
     assert main(["--model", "llama-7b", "--gpus", "8", "--seq-len", str(SEQ), "--config", str(cfg), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
+    assert data["layout"]["activation_checkpointing"] == "full"  # the config names modules to recompute
     assert data["layout"]["cp"] == 4 and data["layout"]["dp"] == 2 and data["workload"]["cp_method"] == "ulysses"
     cp_rows = [t for t in data["traffic"] if t["axis"] == "cp"]
     assert cp_rows and all(t["op"] == "all_to_all" for t in cp_rows)
     assert main(["--model", "llama-7b", "--gpus", "6", "--seq-len", str(SEQ), "--config", str(cfg)]) == 2
     assert "context_parallel.size 4" in capsys.readouterr().err
+
+
+def test_cli_config_without_checkpointed_layers_plans_no_recomputation(tmp_path, capsys):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                               "zero_optimization": {"stage": 1}, "activation_checkpointing": {}}))
+    assert main(["--model", "llama-7b", "--gpus", "8", "--seq-len", "2048", "--config", str(cfg), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["activation_checkpointing"] == "none"

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from trident.cli import checkpoint_cmd, config_check, data_cmd, launch, pipeline_cmd, plan, train, verify
+from trident.cli import checkpoint_cmd, config_check, data_cmd, doctor, launch, pipeline_cmd, plan, train, verify
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_check.add_parser(config.add_subparsers(dest="config_command", metavar="SUBCOMMAND"))
     checkpoint_cmd.add_parser(sub)
     data_cmd.add_parser(sub)
+    doctor.add_parser(sub)
     return parser
 
 

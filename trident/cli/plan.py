@@ -3,6 +3,8 @@
     trident plan --model gpt3-175b --gpus 1024 [--gpu a100-80gb] [--nodes-of 8]
                  [--seq-len 2048] [--global-batch 1536] [--config ds.json] [--top 10] [--json]
     trident plan --params 7.5e9 --gpus 64
+    trident plan --calibrate [--cluster FILE] [--gpus 2] [--threads 1]
+    trident plan --model trident-small --gpus 2 --config ds.json --cluster FILE
     trident plan --model llama-7b --gpus 8 --lora-r 16 [--lora-targets qkv,o,mlp]
     trident plan --model llama-7b --gpus 8 --seq-len 131072 [--cp-method ring|ulysses]
 
@@ -14,8 +16,13 @@ plans LoRA fine-tuning: the model frozen (parameter bytes only), adapters of ran
 --lora-targets layers trained (gradients and optimizer states); a --config with a `lora`
 section implies its r. The search tries context parallelism (cp: every sequence split over cp
 ranks) where 2 x cp divides --seq-len and each rank keeps at least 4096 tokens; --cp-method
-says how its attention talks (a --config's context_parallel section says it there). The exit
-status is 1 when nothing fits (or the --config layout does not), 2 for bad arguments.
+says how its attention talks (a --config's context_parallel section says it there). When the
+--config leaves the micro-batch open (no train_micro_batch_size_per_gpu) the largest that fits
+is chosen and named. --calibrate measures this machine (GEMM by shape, bandwidths, per-op cost,
+every collective's alpha-beta on gloo or NCCL) into a cluster file; --cluster FILE predicts
+with it instead of a GPU preset. Compressed communication in the --config (1-bit optimizers,
+communication_data_type, ZeRO++) is priced by its bytes. The exit status is 1 when nothing
+fits (or the --config layout does not at any micro-batch), 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -26,12 +33,14 @@ import sys
 from pathlib import Path
 
 from trident.cli.args import positive_int
+from trident.planner.cluster import calibrated_cluster, default_cluster_path, load_calibration, save_calibration
+from trident.planner.compression import compression_from_config
 from trident.planner.estimate import estimate
 from trident.planner.layout import DEFAULT_LORA_TARGETS, LORA_TARGETS, Layout, Workload
 from trident.planner.memory import mixed_precision_bytes, zero_state_table
 from trident.planner.presets import (GPU_PRESETS, MODEL_PRESETS, GiB, ModelSpec, make_cluster, model_from_hf_config,
                                      model_preset)
-from trident.planner.search import search
+from trident.planner.search import fit_micro_batch, search
 
 
 
@@ -63,7 +72,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     for flag, help_ in (("--layers", "transformer layers"), ("--hidden", "d_model"), ("--heads", "attention heads"),
                         ("--vocab", "vocabulary size")):
         what.add_argument(flag, type=positive_int, help=help_)
-    p.add_argument("--gpus", type=positive_int, required=True, help="number of GPUs (the world size)")
+    p.add_argument("--gpus", type=positive_int, default=None,
+                   help="number of GPUs (the world size); with --calibrate the ranks to measure (default: the GPUs, "
+                        "or 2 on a CPU)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (GEMM by shape, bandwidths, per-op cost, alpha-beta of every collective "
+                        "and p2p on gloo/NCCL) and write a cluster file (to --cluster, default "
+                        f"{default_cluster_path()})")
+    p.add_argument("--cluster", default=None, metavar="FILE",
+                   help="predict with a cluster file written by --calibrate instead of a --gpu preset")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="with --calibrate on a CPU: threads per rank (default: cores / ranks)")
     p.add_argument("--gpu", default="a100-80gb", choices=sorted(GPU_PRESETS), help="GPU preset (default a100-80gb)")
     p.add_argument("--nodes-of", type=positive_int, default=None, help="GPUs per node (default 8)")
     p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the model's)")
@@ -120,9 +139,10 @@ def _config_layout(path: str, gpus: int) -> tuple[Layout, dict]:
     dp = gpus // (tp * pp * cp)
     batch = resolve_batch(cfg, dp)
     zero = cfg.zero_optimization
-    # Sections this version of the config may not have yet: absent means off.
-    ckpt_section = getattr(cfg, "activation_checkpointing", None)
-    ckpt = "none" if ckpt_section is None else getattr(ckpt_section, "mode", "full")
+    # trident.initialize wraps the modules `activation_checkpointing.layers` names (full
+    # recomputation of each); with none named nothing is recomputed unless the model itself
+    # calls checkpoint(), which a config cannot tell.
+    ckpt = "full" if cfg.activation_checkpointing.layers else "none"
     layout = Layout(dp, tp, pp, zero.stage, batch.micro_batch_size, ckpt, cfg.tensor_parallel.sequence_parallel,
                     _offload_device(zero, "offload_optimizer"), _offload_device(zero, "offload_param"),
                     cfg.pipeline.schedule, cfg.pipeline.virtual_stages, cp=cp)
@@ -131,6 +151,8 @@ def _config_layout(path: str, gpus: int) -> tuple[Layout, dict]:
     lora_r = cfg.lora.r if getattr(cfg, "lora", None) is not None else 0
     method = cp_section.method if cp_section is not None else "ring"
     return layout, {"global_batch": batch.train_batch_size, "precision": precision, "optimizer": optimizer,
+                    "micro_batch_open": cfg.train_micro_batch_size_per_gpu is None,
+                    "compression": compression_from_config(json.loads(Path(path).read_text())),
                     "lora_r": lora_r, "cp_method": method,
                     "cp_ulysses_size": cp_section.ulysses_size if method == "hybrid" else None}
 
@@ -160,10 +182,30 @@ def _default_batch(seq_len: int, gpus: int) -> int:
     return -(-wanted // gpus) * gpus
 
 
+def _calibrate(args: argparse.Namespace, out) -> int:
+    from trident.planner.calibrate import calibrate
+    cal = calibrate(args.gpus, args.threads)
+    path = save_calibration(cal, args.cluster)
+    print(f"calibrated {cal.describe()}\nwrote {path}", file=out)
+    for op, fit in cal.collectives.items():
+        print(f"  {op:<15} alpha {fit.alpha * 1e6:9.1f} us   {1 / fit.beta / 1e9:7.2f} GB/s on {fit.world} ranks", file=out)
+    return 0
+
+
+def _cluster(args: argparse.Namespace):
+    if args.cluster:
+        return calibrated_cluster(load_calibration(args.cluster), args.gpus, args.nodes_of)
+    return make_cluster(args.gpu, args.gpus, args.nodes_of)
+
+
 def run(args: argparse.Namespace, out=None) -> int:
     """Print the plan; 0 when something fits, 1 when nothing does, 2 for bad arguments."""
     out = out or sys.stdout
     try:
+        if args.calibrate:
+            return _calibrate(args, out)
+        if args.gpus is None:
+            raise ValueError("--gpus is required (the world size to plan for)")
         if args.params is not None:
             if args.model or args.layers:
                 raise ValueError("--params replaces the model: give --params or a model, not both")
@@ -172,7 +214,7 @@ def run(args: argparse.Namespace, out=None) -> int:
                                  "layer): give --model or --layers --hidden --heads --vocab instead of --params")
             return _state_table(args, out)
         model = _model(args)
-        cluster = make_cluster(args.gpu, args.gpus, args.nodes_of)
+        cluster = _cluster(args)
         seq = args.seq_len or model.seq_len
         if args.config:
             layout, cfg = _config_layout(args.config, args.gpus)
@@ -180,8 +222,12 @@ def run(args: argparse.Namespace, out=None) -> int:
                                 cfg["optimizer"] or args.optimizer, lora_r=args.lora_r or cfg["lora_r"],
                                 lora_targets=args.lora_targets,
                                 cp_method=args.cp_method or cfg["cp_method"],
-                                cp_ulysses_size=None if args.cp_method else cfg["cp_ulysses_size"])
-            est = estimate(model, layout, cluster, workload)
+                                cp_ulysses_size=None if args.cp_method else cfg["cp_ulysses_size"],
+                                compression=cfg["compression"] if cfg["compression"].active else None)
+            if cfg["micro_batch_open"]:  # the config leaves it open: the largest that fits
+                est = fit_micro_batch(model, layout, cluster, workload)
+            else:
+                est = estimate(model, layout, cluster, workload)
             print(json.dumps(est.to_dict(), indent=2) if args.json else est.format(), file=out)
             return 0 if est.valid and est.fits else 1
         workload = Workload(seq, args.global_batch or _default_batch(seq, args.gpus), args.precision or "bf16",

@@ -70,8 +70,10 @@ class BF16Config(Section):
 class OptimizerConfig(Section):
     """The optimizer built when `trident.initialize` gets no `optimizer=`."""
 
-    type: str = Field(json_schema_extra={"expects": "an optimizer name: Adam, AdamW, SGD, Adagrad or Lion"},
-                      description="Optimizer name, case-insensitive: Adam, AdamW, SGD, Adagrad or Lion.")
+    type: str = Field(json_schema_extra={"expects": "an optimizer name: Adam, AdamW, SGD, Adagrad, Lion, Lamb, "
+                                                    "OneBitAdam, ZeroOneAdam or OneBitLamb"},
+                      description=("Optimizer name, case-insensitive: Adam, AdamW, SGD, Adagrad, Lion, Lamb, or the "
+                                   "1-bit OneBitAdam, ZeroOneAdam, OneBitLamb (ZeRO stage 0 only)."))
     params: dict[str, Any] = Field(default_factory=dict, description=(
         "Keyword arguments of the optimizer (DeepSpeed's names: lr, betas, eps, weight_decay, ...)."))
 
@@ -269,6 +271,16 @@ class ZeroConfig(Section):
         "Stages 1-3: fp32 masters and optimizer states in host memory or on NVMe; the step on the CPU."))
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig, description=(
         "Stage 3: parameter partitions in host memory or on NVMe."))
+    zero_quantized_weights: bool = Field(False, description=(
+        "Stage 3 (ZeRO++ qwZ): all-gather parameters as int8 with one scale per block of each shard."))
+    zero_quantized_nontrainable_weights: bool = Field(False, description=(
+        "Stage 3: frozen parameters are stored rounded to int8 blocks and all-gathered as int8 (LoRA bases)."))
+    zero_quantized_gradients: bool = Field(False, description=(
+        "Stage 3 (ZeRO++ qgZ): reduce-scatter gradients as int4 blocks, all-to-all inside each node, "
+        "then across nodes."))
+    zero_hpz_partition_size: int = Field(1, ge=0, description=(
+        "Stage 3 (ZeRO++ hpZ): ranks per node holding a secondary copy of the parameters; backward "
+        "gathers from it inside the node. 0 or 1 = off; must divide the data-parallel size."))
 
     @model_validator(mode="after")
     def _offload_needs_stage(self) -> ZeroConfig:
@@ -292,6 +304,16 @@ class ZeroConfig(Section):
         return [k for k, first in first_stage.items()
                 if getattr(self, k) != getattr(default, k)
                 and (self.stage < first or (k == "round_robin_gradients" and self.stage == 3))]
+
+    @field_validator("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+                     "zero_hpz_partition_size")
+    @classmethod
+    def _zeropp_needs_stage3(cls, value, info):
+        on = value is True or (not isinstance(value, bool) and value > 1)
+        if on and info.data.get("stage") != 3:
+            raise rule_error(f"{json.dumps(value)} needs stage 3 (ZeRO++ works on partitioned parameters), but stage "
+                             f"is {info.data.get('stage')}; set stage to 3 or remove the key")
+        return value
 
     @field_validator("stage")
     @classmethod
@@ -422,6 +444,87 @@ class ActivationCheckpointingConfig(Section):
                 raise rule_error(f"{pattern!r} is not a valid regular expression ({err}); write module-name "
                                  f"patterns like \"blocks\\\\.\\\\d+\"") from None
         return layers
+
+
+# -- compilation ---------------------------------------------------------------------------------
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_KWARGS = ("fullgraph", "dynamic", "mode", "options")
+
+
+class CompileConfig(Section):
+    """`compile`: each transformer block (decoder layer, pipeline layer) compiled with
+    `torch.compile` after parallelization (DeepSpeed's section; its DeepCompile keys are handled
+    in trident.config.compat)."""
+
+    enabled: bool = Field(False, description="Compile each block with torch.compile.")
+    backend: str = Field("inductor", description=(
+        "torch.compile's backend: a name from torch._dynamo.list_backends() or an importable "
+        "`package.module.function`."))
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = Field(
+        None, description="torch.compile's mode; null = its default.")
+    fullgraph: bool = Field(False, description=(
+        "Fail on any graph break inside a block (ZeRO-3's gather hooks and tensor parallelism's "
+        "collectives need breaks: see docs/compile.md)."))
+    dynamic: bool | None = Field(None, description="torch.compile's dynamic shapes; null = decided by torch.")
+    options: dict[str, Any] | None = Field(None, description="Backend options (inductor's config keys).")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description=(
+        "More torch.compile arguments (DeepSpeed 0.14's key): fullgraph, dynamic, mode or options."))
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, backend: str) -> str:
+        if backend == "inductor":
+            return backend
+        import importlib
+        import torch._dynamo  # only here: the list of backends
+        known = torch._dynamo.list_backends(exclude_tags=())
+        module_name, _, fn_name = backend.rpartition(".")
+        if backend in known:
+            return backend
+        if module_name:
+            try:
+                if callable(getattr(importlib.import_module(module_name), fn_name, None)):
+                    return backend
+            except ImportError:
+                pass
+        names = ", ".join(b for b in sorted(known) if b.islower())  # not the TESTING_ONLY ones
+        raise rule_error(f"{backend!r} is not a torch.compile backend: it is neither one of "
+                         f"torch._dynamo.list_backends() ({names}) nor an importable package.module.function; "
+                         f"use \"inductor\" (the default) or \"aot_eager\"")
+
+    @field_validator("kwargs")
+    @classmethod
+    def _known_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(kwargs) - set(COMPILE_KWARGS))
+        if unknown:
+            raise rule_error(f"{unknown} are not torch.compile arguments trident passes; allowed: "
+                             f"{list(COMPILE_KWARGS)} (backend has its own key, compile.backend)")
+        mode = kwargs.get("mode")
+        if mode is not None and mode not in COMPILE_MODES:
+            raise rule_error(f"mode {mode!r} is not a torch.compile mode; choose one of {list(COMPILE_MODES)}")
+        return kwargs
+
+    @model_validator(mode="after")
+    def _one_of_mode_and_options(self) -> CompileConfig:
+        merged = self.compile_kwargs()
+        clash = [k for k in self.kwargs if getattr(self, k) not in (None, False, {})
+                 and getattr(self, k) != self.kwargs[k]]
+        if clash:
+            raise ConfigError([ConfigIssue("kwargs", (
+                f"{clash} given both as compile.<key> and in compile.kwargs with different values; keep one"))])
+        if merged.get("mode") is not None and merged.get("options"):
+            raise ConfigError([ConfigIssue("options", (
+                f"set together with mode {merged['mode']!r}; torch.compile takes one of them: use options alone "
+                "(e.g. {\"max_autotune\": true}) or mode alone"))])
+        return self
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        """torch.compile's keyword arguments: the named keys over `kwargs`, unset ones left out."""
+        named = {"fullgraph": self.fullgraph or None, "dynamic": self.dynamic, "mode": self.mode,
+                 "options": self.options}
+        merged = {**self.kwargs, **{k: v for k, v in named.items() if v is not None}}
+        return {"backend": self.backend, **merged}
 
 
 # -- parameter server ----------------------------------------------------------------------------
@@ -561,6 +664,9 @@ class TridentConfig(Section):
     bf16: BF16Config = Field(default_factory=BF16Config, description="bf16 mixed precision.")
     gradient_clipping: float = Field(0.0, ge=0, json_schema_extra={"hint": "0 disables clipping"}, description=(
         "Clip the global L2 norm of the gradients to this value; 0 disables clipping."))
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(None, description=(
+        "Dtype gradients are reduced in (cast for the collective and back); null = DeepSpeed's default, the "
+        "run's 16-bit dtype under fp16/bf16, else fp32. bf16 halves a bf16 run's stage-0 gradient bytes."))
     gradient_predivide_factor: float = Field(1.0, gt=0, description=(
         "Divide gradients by this before the all-reduce and by dp/factor after (keeps fp16 sums in range)."))
     prescale_gradients: bool = Field(False, description="Divide gradients by dp before the all-reduce, not after.")
@@ -589,6 +695,8 @@ class TridentConfig(Section):
     lora: LoRAConfig | None = Field(None, description="LoRA fine-tuning (frozen base, trainable adapters).")
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing (recompute).")
+    compile: CompileConfig = Field(default_factory=CompileConfig, description=(
+        "torch.compile of each block after parallelization."))
     parameter_server: ParameterServerConfig = Field(default_factory=ParameterServerConfig, description=(
         "Parameter-server training."))
     model: ModelConfig = Field(default_factory=ModelConfig, description="`trident train` only.")
@@ -606,6 +714,11 @@ class TridentConfig(Section):
                 f"{moe.num_experts} is not divisible by expert_parallel.size={ep}; each ep rank holds "
                 f"num_experts / ep experts, so choose a multiple of {ep}"))])
         return self
+
+    @field_validator("communication_data_type", mode="before")
+    @classmethod
+    def _comm_dtype_any_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value  # DeepSpeed lower-cases it too
 
     @model_validator(mode="after")
     def _one_precision(self) -> TridentConfig:
@@ -652,16 +765,15 @@ ZERO_UNIMPLEMENTED_KEYS = frozenset({
     "module_granularity_threshold",
     "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
     "stage3_use_all_reduce_for_fetch_params", "allgather_sequential", "stage3_allgather_sequential",
-    "ignore_unused_parameters", "legacy_stage1", "zero_hpz_partition_size",
-    "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+    "ignore_unused_parameters", "legacy_stage1",
     "zeropp_loco_param", "mics_shard_size", "mics_hierarchical_params_gather", "memory_efficient_linear",
     "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
     "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "leaf_module",
 })
 
 _DEEPSPEED_ONLY_TOP_LEVEL = frozenset({
-    "amp", "autotuning", "comet", "communication_data_type",
-    "compile", "compression_training", "curriculum_learning", "data_efficiency", "data_types",
+    "amp", "autotuning", "comet",
+    "compression_training", "curriculum_learning", "data_efficiency", "data_types",
     "dataloader_drop_last", "disable_allgather", "dump_state", "eigenvalue", "elasticity", "flops_profiler",
     "gradient_allreduce_op", "graph_harvesting", "hybrid_engine", "log_level", "managed_gradient_accumulation",
     "memory_breakdown", "nebula", "progressive_layer_drop", "sparse_attention",

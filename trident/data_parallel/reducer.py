@@ -4,7 +4,8 @@ Every data-parallel rank computes gradients on its own micro-batches; before the
 step they are averaged over the dp group so every replica takes the same step.
 
 What crosses the wire: at the last micro-step of an accumulation window, each bucket of the
-flat fp32 gradient buffer is all-reduced (SUM) over the dp group, then scaled to a mean. Nothing
+flat fp32 gradient buffer is all-reduced (SUM) over the dp group, then scaled to a mean. With `communication_data_type`
+other than fp32 the bucket is cast to it for the all-reduce and copied back (bf16: half the bytes). Nothing
 is sent on the other micro-steps: gradients accumulate locally.
 
 Overlap: a hook fires as each parameter's gradient is accumulated. When every parameter of a
@@ -31,6 +32,17 @@ from trident.comm.buckets import Bucket, FlatBuffer, GradScaling, plan_buckets
 from trident.comm.logger import CommsLogger
 
 
+_COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def communication_dtype(name: str | None, compute: torch.dtype) -> torch.dtype:
+    """`communication_data_type` as a dtype; null follows DeepSpeed: the run's 16-bit dtype
+    under fp16/bf16, else fp32."""
+    if name is None:
+        return compute if compute in (torch.float16, torch.bfloat16) else torch.float32
+    return _COMM_DTYPES[name]
+
+
 class GradientReducer:
     """Owns the flat fp32 gradient buffer of `params` and averages it over `group`.
 
@@ -50,6 +62,7 @@ class GradientReducer:
         prescale_gradients: bool = False,
         logger: CommsLogger | None = None,
         average_over: int | None = None,
+        comm_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.params = params
         self.group = group
@@ -59,6 +72,7 @@ class GradientReducer:
         # over its own tokens, and an expert's gradient already sums its ep group's losses.
         self.average_over = average_over or self.dp_size
         self.overlap_comm = overlap_comm
+        self.comm_dtype = comm_dtype  # `communication_data_type`: cast for the all-reduce, and back
         self.scaling = GradScaling(self.average_over, predivide_factor, prescale_gradients)
         self.logger = logger
         offsets, self.buckets = plan_buckets([p.numel() for p in params], bucket_size)
@@ -72,7 +86,7 @@ class GradientReducer:
         self._fresh = [True] * len(params)  # no gradient yet in this accumulation window
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._next_launch = 0
-        self._handles: list[tuple[Bucket, object]] = []
+        self._handles: list[tuple[Bucket, object, torch.Tensor]] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(params)]
 
@@ -115,9 +129,10 @@ class GradientReducer:
     def _launch(self, bucket: Bucket) -> None:
         data = self.buffer.slice(bucket.start, bucket.end)
         self.scaling.before(data)
-        handle = (collectives.all_reduce(data, group=self.group, async_op=True, logger=self.logger)
+        wire = data if data.dtype == self.comm_dtype else data.to(self.comm_dtype)
+        handle = (collectives.all_reduce(wire, group=self.group, async_op=True, logger=self.logger)
                   if self.dp_size > 1 else None)
-        self._handles.append((bucket, handle))
+        self._handles.append((bucket, handle, wire))
         self._next_launch += 1
 
     # -- engine-facing ---------------------------------------------------------------------
@@ -140,10 +155,13 @@ class GradientReducer:
             return
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
-        for bucket, handle in self._handles:
+        for bucket, handle, wire in self._handles:
             if handle is not None:
                 handle.wait()
-            self.scaling.after(self.buffer.slice(bucket.start, bucket.end))
+            data = self.buffer.slice(bucket.start, bucket.end)
+            if wire is not data:
+                data.copy_(wire)
+            self.scaling.after(data)
         self._handles = []
         self._sync = False
 

@@ -12,7 +12,8 @@ The order is fixed and is the one place where strategies meet:
      (it shards every sequence itself); then every dp replica gets rank 0's weights
   5. precision: cast the model to bf16/fp16, keep fp32 master weights
   6. data parallelism: stage 0's gradient buffer and bucketed all-reduce, or ZeRO's partitions
-  7. optimizer and LR scheduler over the master weights
+  7. optimizer and LR scheduler over the master weights; `compile`: torch.compile each block,
+     after every wrapper and hook above is in place (trident.engine.compile)
   8. the data loader, sharded over the dp group (cp ranks of a replica read the same samples)
 """
 
@@ -27,11 +28,13 @@ from trident.comm import collectives
 from trident.comm import deepspeed_api
 from trident.comm.backend import init_distributed
 from trident.comm.logger import CommsLogger
+from trident.compression.strategy import CompressedStrategy, check_zero_stage, is_compressed
 from trident.config import TridentConfig, compat, hf_auto, load_config, resolve_batch
 from trident.config.loader import read_json
 from trident.data.sampler import DistributedSampler
-from trident.data_parallel.reducer import GradientReducer
+from trident.data_parallel.reducer import GradientReducer, communication_dtype
 from trident.data_parallel.replicated import ReplicatedOptimizer
+from trident.engine.compile import apply_compile
 from trident.engine.engine import Engine
 from trident.engine.pipeline_engine import build_pipeline_engine
 from trident.engine.host_allocator import tune_glibc_malloc
@@ -106,7 +109,7 @@ def initialize(
             pp = cfg.pipeline
             model = from_hf(model, pp.stages, partition_method=pp.partition_method,
                             virtual_stages=pp.virtual_stages, stage_id=mesh.pp_rank)
-    device = next(model.parameters()).device
+    device = _model_device(model)
     if device.type == "cpu" and cfg.host_allocator.enabled:
         ha = cfg.host_allocator
         if tune_glibc_malloc(ha.trim_threshold_mb, ha.mmap_threshold_mb):
@@ -132,6 +135,7 @@ def initialize(
     params = [p for p in model.parameters() if p.requires_grad]
     counts = {"trainable": sum(p.numel() for p in params),
               "frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad)}
+    _check_every_stage_trains(model, bool(params), mesh)
     if not params:
         raise ValueError("the model has no parameters with requires_grad=True: nothing to train")
     for key in cfg.zero_optimization.inapplicable_keys():
@@ -139,6 +143,7 @@ def initialize(
                        "compatibility); remove it or change the stage", key, cfg.zero_optimization.stage)
     master, strategy, optimizer = _make_strategy(cfg, model, params, optimizer, model_parameters, mesh,
                                                 comms_logger, dtype)
+    compile_report = apply_compile(model, cfg.compile)  # after every strategy's wrappers and hooks
     scheduler = _make_scheduler(lr_scheduler, optimizer, cfg)
     loss_scaler = make_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None
     monitors = Monitors(cfg.tensorboard, cfg.csv_monitor, enabled=mesh.mesh_rank == 0)
@@ -150,6 +155,7 @@ def initialize(
                         comms_logger, monitors)
     loader = _make_loader(training_data, collate_fn, mesh, batch, cfg) if training_data is not None else None
     engine.training_dataloader = loader
+    engine.compile_report = compile_report  # graph breaks per compiled block, filled on the first step
     engine.parameter_counts = counts  # this rank's (tp / pp local) elements, before any ZeRO partitioning
     _log_startup(engine, device)
     if (line := compat.ignored_line(list(cfg._notes))) is not None:
@@ -227,17 +233,23 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
             group_params, gradient_group(mesh, group_params), bucket_size=zero.reduce_bucket_size,
             overlap_comm=zero.overlap_comm, predivide_factor=cfg.gradient_predivide_factor,
             prescale_gradients=cfg.prescale_gradients, logger=comms_logger,
-            average_over=mesh.topology.size(DENSE_GRADIENT_AXES))
+            average_over=mesh.topology.size(DENSE_GRADIENT_AXES),
+            comm_dtype=communication_dtype(cfg.communication_data_type, dtype))
             for group_params in (dense, experts) if group_params]
         optimizer = _make_optimizer(optimizer, model_parameters, params, master, cfg)
         names = {id(p): n for n, p in model.named_parameters()}
-        strategy = ReplicatedOptimizer(reducers[0], master, optimizer, mesh, [names[id(p)] for p in params], frozen,
-                                       expert_reducer=reducers[1] if dense and experts else None)
+        # 1-bit optimizers communicate themselves after warm-up: stage 0 with a switchable all-reduce
+        stage0, extra = ((CompressedStrategy, {"logger": comms_logger}) if is_compressed(optimizer)
+                         else (ReplicatedOptimizer, {}))
+        strategy = stage0(reducers[0], master, optimizer, mesh, [names[id(p)] for p in params], frozen,
+                          expert_reducer=reducers[1] if dense and experts else None, **extra)
         return master, strategy, optimizer
     optimizer = _make_optimizer(optimizer, model_parameters, params, None, cfg)
+    check_zero_stage(optimizer, zero.stage)
     names = {id(p): n for n, p in model.named_parameters()}
     strategy = ZeroOptimizer(zero.stage, optimizer, names, mesh, zero, dtype, cfg.gradient_predivide_factor,
-                             cfg.prescale_gradients, comms_logger, model=model, aio=cfg.aio, frozen=frozen)
+                             cfg.prescale_gradients, comms_logger, model=model, aio=cfg.aio, frozen=frozen,
+                             comm_dtype=communication_dtype(cfg.communication_data_type, dtype))
     return None, strategy, optimizer
 
 
@@ -369,3 +381,29 @@ def _predicted_model_states(engine: Engine):
         return ModelStates(*(a + b for a, b in zip(dense.as_dict().values(), expert.as_dict().values())))
     return model_state_bytes(engine.strategy.numel + frozen, stage, mesh.dp_size * mesh.cp_size, state,
                              trainable=engine.strategy.numel)  # ZeRO partitions over dp x cp
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model lives: its first parameter's device, or its first buffer's (a pipeline
+    stage may hold only tied copies, which are buffers), or the CPU for a model with neither."""
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _check_every_stage_trains(model: torch.nn.Module, has_params: bool, mesh: ParallelMesh) -> None:
+    """Refuse, on every rank alike, a pipeline in which some stage holds no trainable parameter
+    (only parameter-free layers, or copies of tied weights another stage owns): such a stage has
+    no optimizer, and the error must not leave the other stages waiting in their next collective."""
+    if not isinstance(model, PipelineModule) or model.num_stages < 2:
+        return
+    flags: list = [None] * mesh.world_size
+    collectives.all_gather_object(flags, (model.stage_id, has_params), group=mesh.mesh_group)
+    empty = sorted({stage for stage, ok in flags if not ok})
+    if empty:
+        raise ValueError(
+            f"pipeline stage(s) {empty} of {model.num_stages} hold no trainable parameter of their own (their "
+            "layers have none, or only copies of tied weights owned by another stage); choose a partition in "
+            "which every stage owns at least one trainable layer (pipeline.partition_method, e.g. \"uniform\" "
+            "or \"parameters\", or fewer stages)")
+

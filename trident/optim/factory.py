@@ -1,6 +1,8 @@
 """Optimizers from a config's `optimizer` section, with DeepSpeed's names and meanings.
 
-Types are case-insensitive, as in DeepSpeed: Adam, AdamW, SGD, Adagrad, Lion. Two DeepSpeed facts
+Types are case-insensitive, as in DeepSpeed: Adam, AdamW, SGD, Adagrad, Lion, Lamb, and the 1-bit
+optimizers OneBitAdam, ZeroOneAdam and OneBitLamb (trident.optim.onebit_adam, .zero_one_adam,
+.onebit_lamb: they communicate themselves, through trident.compression). Two DeepSpeed facts
 worth knowing:
 
 * `Adam` means Adam with *decoupled* weight decay (AdamW) unless `adam_w_mode` is false, because
@@ -19,14 +21,20 @@ its short reference form.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Iterable
+from typing import Annotated, Any, Callable, Iterable, Literal
 
 import torch
+
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from trident.config.errors import ConfigError, ConfigIssue, describe_value, rule_error, unknown_name_message
 from trident.config.loader import register_section_rules, validate_section
 from trident.config.schema import OptimizerConfig, Section
+from trident.optim.compressed import COMM_BACKENDS
+from trident.optim.lamb import Lamb, run_closure
+from trident.optim.onebit_adam import OneBitAdam
+from trident.optim.onebit_lamb import OneBitLamb
+from trident.optim.zero_one_adam import ZeroOneAdam
 
 
 def _check_betas(value: Any) -> tuple[float, float]:
@@ -117,10 +125,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, wd = group["lr"], group["weight_decay"]
@@ -135,6 +140,88 @@ class Lion(torch.optim.Optimizer):
                 p.mul_(1 - lr * wd).add_(update, alpha=-lr)
                 m.lerp_(p.grad, 1 - beta2)
         return loss
+
+
+def _no_amsgrad(value: bool) -> bool:
+    if value:
+        raise rule_error("true is not supported: DeepSpeed's Lamb and 1-bit optimizers have no AMSGrad variant; "
+                         "remove amsgrad or set it to false")
+    return value
+
+
+NoAmsgrad = Annotated[bool, AfterValidator(_no_amsgrad)]
+
+
+class _LambLike(Section):
+    """The `params` DeepSpeed's FusedLamb and its 1-bit optimizers share."""
+
+    lr: float = Field(1e-3, gt=0, description="Learning rate.")
+    bias_correction: bool = Field(True, description=(
+        "Lamb: fold Adam's bias correction into the step size. The 1-bit optimizers accept it and, as in "
+        "DeepSpeed, never correct the bias."))
+    betas: Betas = Field((0.9, 0.999), description="Decay rates of the first and second moment averages.")
+    eps: float = Field(1e-8, ge=0, description="Added to the denominator for numerical stability.")
+    eps_inside_sqrt: bool = Field(False, description=(
+        "Lamb: sqrt(v + eps) instead of sqrt(v) + eps. Accepted by the 1-bit optimizers without effect (DeepSpeed)."))
+    weight_decay: float = Field(0.0, ge=0, description="Weight decay, added to the update (times lr).")
+    amsgrad: NoAmsgrad = Field(False, description="Not supported (DeepSpeed neither); must be false.")
+
+
+class _CoeffBounds(Section):
+    max_coeff: float = Field(10.0, gt=0, description="Upper bound of the LAMB trust ratio ||p|| / ||update||.")
+    min_coeff: float = Field(0.01, ge=0, description="Lower bound of the LAMB trust ratio.")
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min_coeff > self.max_coeff:
+            raise ConfigError([ConfigIssue("min_coeff", (
+                f"{self.min_coeff} is above max_coeff {self.max_coeff}; the trust ratio is clamped to "
+                "[min_coeff, max_coeff], so min_coeff must not exceed max_coeff"))])
+        return self
+
+
+class LambParams(_LambLike, _CoeffBounds):
+    """`params` of Lamb (DeepSpeed's FusedLamb names and defaults)."""
+
+
+class _OneBitCommon(_LambLike):
+    cuda_aware: bool = Field(False, description=(
+        "DeepSpeed: the MPI library is CUDA-aware. Accepted; trident compresses over the dp group's own backend."))
+    comm_backend_name: Literal[COMM_BACKENDS] = Field("nccl", description=(
+        "DeepSpeed's transport for the compressed all-reduce (nccl, mpi, hccl, compressed); trident accepts "
+        "these and gloo, and uses the data-parallel process group's backend whichever is named."))
+
+
+_FREEZE = "Uncompressed warm-up steps (dp-averaged gradients, variance updated) before 1-bit compression starts."
+
+
+class OneBitAdamParams(_OneBitCommon):
+    """`params` of OneBitAdam (DeepSpeed's names and defaults)."""
+
+    freeze_step: int = Field(100000, ge=0, description=_FREEZE)
+
+
+class ZeroOneAdamParams(_OneBitCommon):
+    """`params` of ZeroOneAdam (DeepSpeed's names and defaults)."""
+
+    var_freeze_step: int = Field(100000, ge=0, description=(
+        "The last step that updates the variance; local steps with 1-bit syncs follow it."))
+    var_update_scaler: int = Field(16, ge=1, description=(
+        "Variance updates between doublings of the interval between them (kappa in the 0/1 Adam paper)."))
+    local_step_scaler: int = Field(32678, ge=1, description=(
+        "Steps between doublings of the local-step interval (after var_freeze_step)."))
+    local_step_clipper: int = Field(16, ge=1, description="Largest local-step interval (H in the paper).")
+
+
+class OneBitLambParams(_OneBitCommon, _CoeffBounds):
+    """`params` of OneBitLamb (DeepSpeed's names and defaults)."""
+
+    freeze_step: int = Field(100000, ge=0, description=_FREEZE)
+    coeff_beta: float = Field(0.9, ge=0, lt=1, description=(
+        "Decay of the running average of the trust ratio that is frozen at freeze_step."))
+    factor_max: float = Field(4.0, gt=0, description="Upper bound of the factor applied to the frozen trust ratio.")
+    factor_min: float = Field(0.5, gt=0, description="Lower bound of that factor.")
+    factor_threshold: float = Field(0.1, ge=0, description="Largest relative change of the factor from one step to the next.")
 
 
 @dataclass(frozen=True)
@@ -165,10 +252,14 @@ OPTIMIZERS: dict[str, _Kind] = {k.name.lower(): k for k in (
     _Kind("SGD", SGDParams, lambda params, p, impl: torch.optim.SGD(params, **p.model_dump(), **impl)),
     _Kind("Adagrad", AdagradParams, lambda params, p, impl: torch.optim.Adagrad(params, **p.model_dump(), **impl)),
     _Kind("Lion", LionParams, lambda params, p, impl: Lion(params, **p.model_dump())),
+    _Kind("Lamb", LambParams, lambda params, p, impl: Lamb(params, **p.model_dump())),
+    _Kind("OneBitAdam", OneBitAdamParams, lambda params, p, impl: OneBitAdam(params, **p.model_dump())),
+    _Kind("ZeroOneAdam", ZeroOneAdamParams, lambda params, p, impl: ZeroOneAdam(params, **p.model_dump())),
+    _Kind("OneBitLamb", OneBitLambParams, lambda params, p, impl: OneBitLamb(params, **p.model_dump())),
 )}
 """Lower-case type name -> how to check its params and build it."""
 
-_DEEPSPEED_ONLY = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD", "Muon")
+_DEEPSPEED_ONLY = ("MuAdam", "MuAdamW", "MuSGD", "Muon")
 
 
 def check_optimizer(type: str, params: dict) -> list[ConfigIssue]:

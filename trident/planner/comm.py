@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from trident.planner.compression import gradient_bytes, parameter_gather_bytes
 from trident.planner.layout import Layout, Workload, cp_groups, grad_accumulation, local_seq_len, stage_layers
 from trident.planner.memory import StateBytes, cp_kv_dim, rank_parameter_counts
 from trident.planner.presets import Cluster, ModelSpec
@@ -91,6 +92,9 @@ def collective_time(op: str, size: float, span: GroupSpan, cluster: Cluster) -> 
     intra, inter = _links(cluster)
     if span.size <= 1:
         return 0.0
+    fit = _measured(cluster, op)
+    if fit is not None:
+        return fit.seconds(op, size, span.size)
     if span.nodes == 1:
         return all_reduce(size, span.size, intra) if op == "all_reduce" else ring_reduce_scatter(size, span.size, intra)
     k, m = span.per_node, span.nodes
@@ -99,9 +103,18 @@ def collective_time(op: str, size: float, span: GroupSpan, cluster: Cluster) -> 
     return ring_reduce_scatter(size, k, intra) + ring_reduce_scatter(size / k, m, inter)
 
 
+def _measured(cluster: Cluster, op: str):
+    """The calibrated alpha-beta fit of `op` when the cluster was measured (`--cluster`)."""
+    cal = cluster.calibration
+    return cal.collective(op) if cal is not None else None
+
+
 def p2p_time(size: float, cluster: Cluster, layout: Layout) -> float:
     """One pipeline send between neighbouring stages. Across nodes the tp ranks each send 1/tp
     of the tensor over their own adapters (Megatron's scatter/gather) and all-gather it after."""
+    fit = _measured(cluster, "p2p")
+    if fit is not None:
+        return fit.seconds("p2p", size, 2)
     intra, inter = _links(cluster)
     if layout.world_size // layout.pp < cluster.gpus_per_node:
         return intra.latency + size / intra.bandwidth
@@ -135,31 +148,78 @@ def data_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workload, 
 
     Stages 0-1 reduce once per step (stage 0 all-reduces, stage 1 reduce-scatters and
     all-gathers the updated parameters), stage 2 reduce-scatters on every micro-batch, stage 3
-    also all-gathers each layer's parameters for forward and for backward on every micro-batch.
-    Stage 0-2's reduction overlaps backward except for the last bucket; stage 3's gathers are
-    prefetched, so they overlap compute too. Only trainable parameters (LoRA's adapters) have
-    gradients and change; stage 3 gathers the frozen ones as well.
+    gathers every module's parameters before its forward and again before its backward, one
+    collective per module (`zero3_gathers`). Stage 0-2's reduction overlaps backward except
+    for the last bucket; stage 3's gathers are prefetched (how much of them hides is
+    `time.zero3_exposed`). Only trainable parameters (LoRA's adapters) have gradients and
+    change; stage 3 gathers the frozen ones as well. `workload.compression` shrinks the
+    bytes (`trident.planner.compression`).
     """
     span = group_span("dp", layout, cluster.gpus_per_node)
     if span.size <= 1:
         return []
     gas = grad_accumulation(layout, workload) or 1
-    psi, trainable = rank_parameter_counts(model, layout, workload)
-    grads, params = trainable * state.gradient, psi * state.parameter
+    _, trainable = rank_parameter_counts(model, layout, workload)
+    c = workload.compression
+    grads = gradient_bytes(c, trainable, state.gradient, span.size)
     stage = layout.zero_stage
 
     def t(axis_op: str, what: str, size: float, calls: int, overlapped: bool) -> Traffic:
         seconds = calls * collective_time(axis_op, size, span, cluster)
         return Traffic("dp", axis_op, what, size, calls, seconds, overlapped)
 
+    what = "gradients" + (" (compressed)" if c is not None and c.active and grads < trainable * state.gradient else "")
     if stage == 0:
-        return [t("all_reduce", "gradients", grads, 1, True)]
-    out = [t("reduce_scatter", "gradients", grads, 1 if stage == 1 else gas, stage >= 2)]
+        return [t("all_reduce", what, grads, 1, True)]
+    out = [t("reduce_scatter", what, grads, 1 if stage == 1 else gas, stage >= 2)]
     if stage == 3:
-        out.append(t("all_gather", "parameters (forward + backward)", params, 2 * gas, True))
+        out += zero3_gathers(model, layout, workload, cluster, state)
     else:
         out.append(t("all_gather", "updated parameters", trainable * state.parameter, 1, False))
     return out
+
+
+def zero3_module_elements(model: ModelSpec, layout: Layout, workload: Workload) -> list[float]:
+    """Elements of each module stage 3 gathers on one rank per micro-batch pass: a layer's
+    linear layers (norms and biases under the persistence threshold stay whole), then the
+    embedding. trident and DeepSpeed gather per module: one collective each."""
+    h, t, b = model.d_model, layout.tp, int(model.bias)
+    experts = model.num_experts // layout.ep if model.num_experts else 1
+    mlp_in = (2 if model.gated_mlp else 1) * model.ff_dim
+    per_layer = [(h * (h + 2 * model.kv_dim) + b * (h + 2 * model.kv_dim)) / t, (h * h + b * h) / t]
+    per_layer += [(h * mlp_in + b * mlp_in) / t] * experts + [(model.ff_dim * h + b * h) / t] * experts
+    per_layer += [model._norm_params()] * 2
+    embedding = model.vocab_size * h / t + (model.seq_len * h if model.position == "learned" else 0)
+    head = [model.vocab_size * h / t] if not model.tie_embeddings else []
+    finals = [model._norm_params()] * (2 if model.embed_norm else 1)
+    modules = per_layer * stage_layers(model, layout.pp) + [embedding] + head + finals
+    return [m for m in modules if m > workload.zero3_persistence_threshold]
+
+
+def zero3_gathers(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster,
+                  state: StateBytes) -> list[Traffic]:
+    """Stage 3's parameter all-gathers: one per module per pass, each paying the group's
+    latency (alpha x steps) and its bytes; forward (and a recomputed forward), then backward,
+    whose gathers stay inside a node under ZeRO++'s hpZ."""
+    gas = grad_accumulation(layout, workload) or 1
+    c = workload.compression
+    span = group_span("dp", layout, cluster.gpus_per_node)
+    modules = zero3_module_elements(model, layout, workload)
+    if not modules:
+        return []
+    sizes = [parameter_gather_bytes(c, m, state.parameter) for m in modules]
+    hpz = c.hpz_partition_size if c is not None else 1
+    back_span = _span(min(hpz, span.size), layout.tp * layout.ep, cluster.gpus_per_node) if hpz > 1 else span
+    passes = 2 if layout.activation_checkpointing == "full" else 1
+    mean = sum(sizes) / len(sizes)
+    fwd_one = sum(collective_time("all_gather", s, span, cluster) for s in sizes)
+    bwd_one = sum(collective_time("all_gather", s, back_span, cluster) for s in sizes)
+    fwd_calls, bwd_calls = gas * passes * len(sizes), gas * len(sizes)
+    return [Traffic("dp", "all_gather", f"parameters, forward{' + recompute' if passes > 1 else ''} (one per module)",
+                    mean, fwd_calls, gas * passes * fwd_one, True, None, "forward"),
+            Traffic("dp", "all_gather", "parameters, backward (one per module"
+                    + (f", inside hpZ groups of {hpz})" if hpz > 1 else ")"), mean, bwd_calls, gas * bwd_one, True,
+                    None, "backward")]
 
 
 def tensor_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster) -> list[Traffic]:
@@ -224,6 +284,9 @@ def all_to_all_time(size: float, span: GroupSpan, cluster: Cluster) -> float:
     nodes goes over the network while the rest goes over NVLink."""
     if span.size <= 1:
         return 0.0
+    fit = _measured(cluster, "all_to_all")
+    if fit is not None:
+        return fit.seconds("all_to_all", size, span.size)
     intra, inter = _links(cluster)
     n, k = span.size, span.per_node
     near = (k - 1) * intra.latency + (k - 1) / n * size / intra.bandwidth if k > 1 else 0.0

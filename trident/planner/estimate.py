@@ -6,9 +6,10 @@ for people (the text `trident plan --config` prints) and `to_dict()` for JSON.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from trident.planner.comm import Traffic, step_traffic
+from trident.planner.compression import error_notes
 from trident.planner.layout import Layout, Workload, attention_kind, grad_accumulation, layout_problems
 from trident.planner.memory import (PLACE, MemoryEstimate, StateBytes, activation_memory, memory_estimate,
                                     mixed_precision_bytes, rank_parameter_counts)
@@ -28,6 +29,7 @@ class Estimate:
     traffic: list[Traffic]
     time: TimeEstimate
     problems: list[str]
+    notes: list[str] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
@@ -63,7 +65,7 @@ class Estimate:
                              "nvme": m.placement.nvme},
             "activation_variants_bytes": self.activation_variants(),
             "traffic": [{**asdict(t), "bytes_per_step": t.bytes_per_step} for t in self.traffic],
-            "time": asdict(self.time),
+            "time": asdict(self.time), "notes": self.notes,
         }
 
     def format(self) -> str:
@@ -85,6 +87,7 @@ class Estimate:
             lines.append(f"LoRA     r={w.lora_r} on {','.join(w.lora_targets)}: {trainable:,.0f} trainable of "
                          f"{params:,.0f} parameters per rank ({100 * trainable / params:.2f}%); the rest frozen")
         lines += [f"INVALID  {p}" for p in self.problems]
+        lines += [f"note     {n}" for n in self.notes]
         return lines
 
     def _memory_lines(self) -> list[str]:
@@ -124,7 +127,16 @@ class Estimate:
                 + f" + dp exposed {t.dp_comm_exposed:.3f} + bubble {t.bubble:.3f} + optimizer {t.optimizer:.3f}",
                 f"throughput     {t.tokens_per_s:,.0f} tokens/s ({t.tokens_per_s_per_gpu:,.1f} per GPU), "
                 f"{t.model_flops_per_gpu / 1e12:.1f} model TFLOP/s per GPU, MFU {100 * t.mfu:.1f}%, "
-                f"HFU {100 * t.hfu:.1f}%"]
+                f"HFU {100 * t.hfu:.1f}%"] + self._gather_lines()
+
+    def _gather_lines(self) -> list[str]:
+        gathers = [x for x in self.traffic if x.axis == "dp" and x.phase in ("forward", "backward")]
+        if not gathers:
+            return []
+        calls, seconds = sum(x.calls for x in gathers), sum(x.seconds for x in gathers)
+        return [f"ZeRO-3         {calls} per-module gathers take {seconds:.3f} s (latency x calls + bytes / "
+                f"bandwidth); {self.time.zero3_gathers_exposed:.3f} s exposed with a prefetch of "
+                f"{self.workload.zero3_prefetch_elems:,} elements"]
 
 
 def _cp_text(layout: Layout, workload: Workload) -> str:
@@ -167,4 +179,5 @@ def estimate(model: ModelSpec | str, layout: Layout, cluster: Cluster, workload:
     problems = layout_problems(spec, layout, workload, cluster.num_gpus, even_stages=False)
     traffic = step_traffic(spec, layout, workload, cluster, state)
     return Estimate(spec, layout, workload, cluster, memory_estimate(spec, layout, workload, cluster, state),
-                    traffic, step_time(spec, layout, workload, cluster, state, traffic), problems)
+                    traffic, step_time(spec, layout, workload, cluster, state, traffic), problems,
+                    error_notes(workload.compression))

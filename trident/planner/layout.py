@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from trident.planner.compression import CommCompression
 from trident.planner.presets import ModelSpec
 
 Checkpointing = Literal["none", "selective", "full"]
@@ -102,6 +103,12 @@ class Workload:
     (all-to-alls to head shards) or "hybrid" (Ulysses inside groups of `cp_ulysses_size`, the
     ring across them). Under cp > 1 attention is priced as "flash" whatever `attention` says:
     ring and Ulysses attention keep no seq x seq scores.
+
+    `compression` prices compressed communication (1-bit optimizers, 16-bit gradient
+    reduction, ZeRO++; `trident.planner.compression`). ZeRO-3 gathers each module's
+    parameters: `zero3_prefetch_elems` (DeepSpeed's `stage3_prefetch_bucket_size`) bounds how
+    far ahead they are fetched, modules of at most `zero3_persistence_threshold` elements
+    (`stage3_param_persistence_threshold`) stay whole and are never gathered.
     """
 
     seq_len: int
@@ -115,6 +122,9 @@ class Workload:
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     cp_method: CpMethod = "ring"
     cp_ulysses_size: int | None = None
+    compression: CommCompression | None = None
+    zero3_prefetch_elems: int = 50_000_000
+    zero3_persistence_threshold: int = 100_000
 
     def __post_init__(self) -> None:
         if self.cp_method not in CP_METHODS:

@@ -350,6 +350,9 @@ def memory_estimate(model: ModelSpec, layout: Layout, workload: Workload, cluste
         states = model_state_bytes(params, layout.zero_stage, layout.gradient_replicas, state, trainable)
     acts = activation_memory(model, layout, workload)
     buffers = comm_buffer_bytes(model, layout, workload, state)
+    c = workload.compression
+    if c is not None and c.hpz_partition_size > 1 and layout.zero_stage == 3:
+        buffers += params * state.parameter / c.hpz_partition_size  # ZeRO++ hpZ: the secondary partition
     return MemoryEstimate(states, place_model_states(states, layout), acts, buffers,
                           FRAGMENTATION * (acts + buffers), cluster.gpu.memory_bytes)
 

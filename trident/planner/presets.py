@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trident.models.gpt import GPT_PRESETS
+from trident.planner.gemm import GemmCurve, GemmTable
 
 GiB = 1024**3
 BUNDLED_VOCAB = 4096  # trident/data/corpus/tokenizer.json: the vocabulary of trident's own presets
@@ -147,8 +148,9 @@ def _gpt(name: str, n_layer: int, d_model: int, n_head: int, vocab: int = 50257,
     return ModelSpec(name, n_layer, d_model, n_head, vocab, seq, **kw)
 
 
-def _llama(name: str, n_layer: int, d_model: int, n_head: int, d_ff: int, seq: int = 2048, **kw) -> ModelSpec:
-    return ModelSpec(name, n_layer, d_model, n_head, 32000, seq, d_ff=d_ff, gated_mlp=True, bias=False,
+def _llama(name: str, n_layer: int, d_model: int, n_head: int, d_ff: int, seq: int = 2048, vocab: int = 32000,
+           **kw) -> ModelSpec:
+    return ModelSpec(name, n_layer, d_model, n_head, vocab, seq, d_ff=d_ff, gated_mlp=True, bias=False,
                      tie_embeddings=False, position="rotary", norm="rmsnorm", **kw)
 
 
@@ -176,6 +178,11 @@ MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     _llama("llama-13b", 40, 5120, 40, 13824),
     _llama("llama-65b", 80, 8192, 64, 22016),
     _llama("llama-70b", 80, 8192, 64, 28672, seq=4096, n_kv_head=8),
+    # Llama 3.1 8B (Meta's HF config: 128256 tokens, 8 key/value heads, MLP 14336; torchtitan's
+    # 8192-token training sequences).
+    _llama("llama3-8b", 32, 4096, 32, 14336, seq=8192, vocab=128256, n_kv_head=8),
+    # OPT-175B (Zhang et al. 2022, arXiv:2205.01068, Table 1): GPT-3 175B's shape, vocab 50272.
+    _gpt("opt-175b", 96, 12288, 96, vocab=50272),
 ]}
 # trident's own reference sizes (trident.models.gpt.GPT_PRESETS) with the bundled tokenizer.
 MODEL_PRESETS.update({f"trident-{name}": ModelSpec(f"trident-{name}", vocab_size=BUNDLED_VOCAB, **shape)
@@ -188,7 +195,11 @@ class GPUSpec:
 
     `gemm_efficiency` is the share of `peak_flops` that large transformer matrix multiplies
     sustain; `memory_efficiency` the share of `hbm_bandwidth` that streaming element-wise
-    kernels sustain. Both are device constants: the same for every model and layout.
+    kernels sustain. Both are device constants: the same for every model and layout. Smaller
+    GEMMs run slower by `gemm_curve()`: the tile and wave quantization of `sms` multiprocessors
+    and the memory roofline (`trident.planner.gemm`), or the rates `gemm_table` measured on
+    this machine (`trident plan --calibrate`). `kernel_seconds` is the fixed cost of one
+    kernel (launch and tail; on a CPU: one autograd op's dispatch).
     """
 
     name: str
@@ -203,6 +214,16 @@ class GPUSpec:
     inter_node_latency: float = 10e-6
     gemm_efficiency: float = 0.75
     memory_efficiency: float = 0.8
+    sms: int = 108
+    kernel_seconds: float = 4e-6
+    gemm_table: GemmTable | None = None
+
+    def gemm_curve(self) -> GemmTable | GemmCurve:
+        """Seconds of a GEMM by shape: the measured table when there is one, else the published curve."""
+        if self.gemm_table is not None:
+            return self.gemm_table
+        return GemmCurve(self.peak_flops, self.gemm_efficiency, self.sms, self.hbm_bandwidth * self.memory_efficiency,
+                         self.kernel_seconds)
 
 
 # Peak FLOP/s, memory, HBM and NVLink bandwidths are NVIDIA's data sheets (V100, A100, H100,
@@ -212,14 +233,24 @@ class GPUSpec:
 # PCIe: gen3/4/5 x16 at about 80% of the 16/32/64 GB/s link rate. Latencies: a few us per hop
 # inside a node and about 10 us across InfiniBand, the usual alpha of NCCL's small messages.
 # Sustained GEMM shares: cuBLAS reaches about 75% of peak on large 16-bit GEMMs on V100 and A100
-# and about 70% on H100 (whose peak is harder to feed).
+# and about 70% on H100 (whose peak is harder to feed) inside training steps. The best single
+# GEMM measured in isolation is higher: the "Maximum Achievable Matmul FLOPS" table of Bekman's
+# ML Engineering book (stas00/ml-engineering, compute/accelerator/README.md; mamf-finder.py,
+# after Anthony et al. 2024, "The Case for Co-Designing Model Architectures with Hardware",
+# arXiv:2401.14489) lists A100 SXM bf16 at 271.2 of 312 TFLOP/s (86.9%, best shape 1024 x
+# 10240 x 5120) and H100 SXM at 794.5 of 989 (80.3%); the training shares here sit about 12%
+# below those ceilings (clocks under sustained load, other kernels between GEMMs). How smaller
+# shapes fall off is the tile and wave quantization of NVIDIA's "Matrix Multiplication
+# Background User's Guide" (DU-09799-001, 2023): 80 SMs on V100, 108 on A100, 132 on H100/H200,
+# output tiles of 256 x 128 down to 64 x 64 (`trident.planner.gemm`); Anthony et al. measure
+# the same effect on transformer GEMMs (hidden sizes that leave a partial wave lose up to ~40%).
 GPU_PRESETS: dict[str, GPUSpec] = {g.name: g for g in [
-    GPUSpec("v100-32gb", 125e12, 32 * GiB, 900e9, 150e9, 6.25e9, 12e9),
+    GPUSpec("v100-32gb", 125e12, 32 * GiB, 900e9, 150e9, 6.25e9, 12e9, sms=80),
     GPUSpec("a100-40gb", 312e12, 40 * GiB, 1555e9, 300e9, 25e9, 25e9),
     GPUSpec("a100-80gb", 312e12, 80 * GiB, 2039e9, 300e9, 25e9, 25e9),
-    GPUSpec("h100-80gb", 989e12, 80 * GiB, 3350e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70),
+    GPUSpec("h100-80gb", 989e12, 80 * GiB, 3350e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70, sms=132),
     # nvidia-smi reports 143771 MiB (140 GiB) for the "141 GB" H200.
-    GPUSpec("h200-141gb", 989e12, 140 * GiB, 4800e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70),
+    GPUSpec("h200-141gb", 989e12, 140 * GiB, 4800e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70, sms=132),
 ]}
 
 
@@ -232,6 +263,7 @@ class Cluster:
     gpus_per_node: int
     host_memory_bytes: int = 1024 * GiB
     nvme_bytes: int = 15 * 1024 * GiB
+    calibration: Any = None  # a trident.planner.cluster.Calibration: measured collectives and costs
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1 or self.gpus_per_node < 1:

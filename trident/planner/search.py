@@ -178,3 +178,45 @@ def _search_split(model: ModelSpec, cluster: Cluster, workload: Workload, space:
             result.ranked.append(Candidate(layout, est, _why_rank(est)))
         else:
             result.too_big.append(Candidate(layout, est, _why_too_big(est)))
+
+
+def micro_batch_choices(layout: Layout, workload: Workload) -> list[int]:
+    """Micro-batch sizes that divide each data-parallel rank's share of the global batch, largest first."""
+    per_rank, rem = divmod(workload.global_batch, layout.data_parallel)
+    if rem or per_rank < 1:
+        return []
+    return [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+
+
+def fit_micro_batch(model: ModelSpec, layout: Layout, cluster: Cluster, workload: Workload,
+                    state=None) -> Estimate:
+    """The layout's micro-batch chosen where the config or paper leaves it open, with a note
+    saying which (`Estimate.notes`): without a pipeline the largest that fits (the fastest:
+    larger GEMMs, fewer steps); with one the fastest that fits, since a larger micro-batch
+    also means fewer micro-batches per step and a longer bubble (ties go to the larger).
+    When none fits, the smallest one's estimate, with the bytes by category that do not fit."""
+    choices = micro_batch_choices(layout, workload)
+    if not choices:
+        return estimate(model, layout, cluster, workload, state)
+    fitting, smallest = [], None
+    for mb in choices:
+        est = estimate(model, replace(layout, micro_batch=mb), cluster, workload, state)
+        if est.fits:
+            fitting.append(est)
+            if layout.pp == 1:
+                break
+        smallest = est
+    per_rank = workload.global_batch // layout.data_parallel
+    if fitting:
+        best = max(fitting, key=lambda e: (e.time.tokens_per_s, e.layout.micro_batch))
+        why = ("the largest that fits" if layout.pp == 1 else
+               f"the fastest of the {len(fitting)} that fit (a pipeline's bubble grows with the micro-batch)")
+        note = (f"micro-batch {best.layout.micro_batch} chosen: {why}; the {per_rank} sequences per data-parallel "
+                f"rank allow {', '.join(map(str, choices))}")
+        return replace(best, notes=[*best.notes, note])
+    m = smallest.memory
+    parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in {**m.states.as_dict(), "activations": m.activations,
+                                                       "buffers": m.comm_buffers,
+                                                       "fragmentation": m.fragmentation}.items())
+    return replace(smallest, notes=[*smallest.notes, f"no micro-batch fits: even micro-batch 1 needs "
+                                    f"{m.device_total / GiB:.2f} GiB of {m.capacity / GiB:.1f} GiB ({parts} GiB)"])

@@ -1,8 +1,9 @@
 """Step time: compute, communication on the critical path, pipeline bubble; tokens/s and MFU.
 
-Compute of one micro-batch on one pipeline stage is its matrix-multiply FLOPs at the GPU's
-sustained GEMM rate plus its element-wise traffic (norms, activations, dropout, residual adds,
-softmax) at the sustained HBM bandwidth. Training FLOPs are 3x forward (backward computes two
+Compute of one micro-batch on one pipeline stage is its GEMMs, each at its own shape's rate
+(`trident.planner.compute`: the GPU preset's published curve or the table `--calibrate`
+measured here), its element-wise traffic (norms, activations, dropout, residual adds,
+softmax) at the sustained memory bandwidth, and a fixed cost per kernel. Training FLOPs are 3x forward (backward computes two
 products per forward one: 6 x parameters x tokens for the dense part); full activation
 checkpointing runs each layer's forward again in backward (4x), selective checkpointing only
 the attention scores. MFU counts the 3x FLOPs only, HFU the recomputation too (Korthikanti et
@@ -26,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trident.planner.comm import Traffic, step_traffic
+from trident.planner.compute import micro_batch_compute
 from trident.planner.layout import Layout, Workload, attention_kind, grad_accumulation, local_seq_len, stage_layers
 from trident.planner.memory import StateBytes, rank_parameter_counts
 from trident.planner.presets import Cluster, ModelSpec
@@ -78,21 +80,10 @@ class StageTime:
 
 def _stage_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster,
                 traffic: list[Traffic], gas: int) -> StageTime:
-    g = cluster.gpu
     tokens = layout.micro_batch * local_seq_len(layout, workload)  # cp: each rank's share of every sequence
-    layers = stage_layers(model, layout.pp)
-    dense, scores, logits = model.forward_flops_per_token(workload.seq_len)
-    fwd_layer_flops = tokens * (dense + scores) / model.n_layer * layers / layout.tp
-    fwd_flops = fwd_layer_flops + tokens * logits / layout.tp
-    ew = tokens * layers * elementwise_bytes_per_token(model, workload.seq_len, layout, workload)
-    gemm_rate, hbm_rate = g.peak_flops * g.gemm_efficiency, g.hbm_bandwidth * g.memory_efficiency
-    fwd = fwd_flops / gemm_rate + ew / hbm_rate
-    recompute = 0.0
-    if layout.activation_checkpointing == "full":
-        recompute = fwd_layer_flops / gemm_rate + ew / hbm_rate
-    elif layout.activation_checkpointing == "selective":
-        recompute = tokens * scores / model.n_layer * layers / layout.tp / gemm_rate
-    bwd = 2 * fwd + recompute
+    ew = tokens * elementwise_bytes_per_token(model, workload.seq_len, layout, workload)
+    mb = micro_batch_compute(model, layout, workload, cluster, ew)
+    fwd, bwd = mb.forward, mb.backward
     tp = sum(x.seconds for x in traffic if x.axis in ("tp", "ep")) / gas  # ep: MoE all-to-alls, also blocking
     pp = sum(x.seconds for x in traffic if x.axis == "pp") / gas
     cp_fwd, cp_bwd = (sum(x.exposed for x in traffic if x.axis == "cp" and x.phase == phase) / gas
@@ -113,22 +104,65 @@ def bubble_fraction_of_flush(layout: Layout) -> float:
     return float(layout.pp - 1)
 
 
-def _dp_exposed(traffic: list[Traffic], layout: Layout, stage: StageTime, gas: int) -> float:
-    """Data-parallel seconds not hidden under compute: overlapped collectives hide under the
-    boundary micro-batch's backward (stages 0-1), every backward (2), all compute (3)."""
+def communication_overlaps_compute(cluster: Cluster) -> bool:
+    """Whether collectives run beside compute. A GPU has engines of its own for them (NCCL
+    kernels on a side stream, copy engines); gloo on a CPU moves and sums the bytes with the
+    same cores that compute, so an "overlapped" reduction still takes its time from the step."""
+    cal = cluster.calibration
+    return cal is None or cal.device != "cpu"
+
+
+def _dp_exposed(traffic: list[Traffic], layout: Layout, workload: Workload, stage: StageTime,
+                gas: int, overlap: bool = True) -> tuple[float, float]:
+    """(data-parallel seconds not hidden under compute, of which ZeRO-3 gathers). Overlapped
+    reductions hide under the boundary micro-batch's backward (stages 0-1) or every backward
+    (2-3); stage 3's per-module gathers as `zero3_exposed` says. Without `overlap` (CPU ranks)
+    nothing hides."""
     dp = [x for x in traffic if x.axis == "dp"]
+    gathers = [x for x in dp if x.phase in ("forward", "backward")]
+    if not overlap:
+        return sum(x.seconds for x in dp), sum(x.seconds for x in gathers)
     if layout.pp > 1:
-        return sum(x.seconds for x in dp)
-    hidden = sum(x.seconds for x in dp if x.overlapped)
-    window = {3: gas * (stage.forward + stage.backward), 2: gas * stage.backward}.get(layout.zero_stage, stage.backward)
-    return sum(x.seconds for x in dp if not x.overlapped) + max(0.0, hidden - window)
+        return sum(x.seconds for x in dp), 0.0
+    rest = [x for x in dp if x not in gathers]
+    hidden = sum(x.seconds for x in rest if x.overlapped)
+    window = gas * stage.backward if layout.zero_stage >= 2 else stage.backward
+    exposed_gathers = sum(zero3_exposed(x, gas * (stage.forward if x.phase == "forward" else stage.backward),
+                                        workload, gas) for x in gathers)
+    return sum(x.seconds for x in rest if not x.overlapped) + max(0.0, hidden - window) + exposed_gathers, \
+        exposed_gathers
+
+
+def zero3_exposed(gathers: Traffic, compute: float, workload: Workload, gas: int) -> float:
+    """Seconds of one pass's per-module gathers left on the critical path.
+
+    Gathers run one after another on the communication stream while modules compute; with
+    prefetch a gather starts up to `depth` modules early (depth = prefetch bucket / module
+    size), so each module waits max(0, t_gather - depth x t_compute), and all of them together
+    at least what the gathers take beyond the compute (one stream). The first gather of every
+    pass has nothing to hide under. No prefetch: every gather is exposed."""
+    if gathers.calls == 0 or gathers.seconds == 0.0:
+        return 0.0
+    per_gather, per_module = gathers.seconds / gathers.calls, compute / gathers.calls
+    elems = gathers.bytes_per_call / max(1e-9, workload.activation_bytes)
+    depth = workload.zero3_prefetch_elems / elems if elems else 0.0
+    if depth <= 0:
+        return gathers.seconds
+    waits = gathers.calls * max(0.0, per_gather - min(depth, 2.0) * per_module)
+    return max(waits, gathers.seconds - compute) + gas * per_gather
 
 
 def _optimizer_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster,
                     state: StateBytes) -> float:
     _, trainable = rank_parameter_counts(model, layout, workload)  # frozen parameters take no step
     psi = trainable / (layout.dp * layout.cp if layout.zero_stage >= 1 else 1)
-    g = cluster.gpu
+    g, cal = cluster.gpu, cluster.calibration
+    if cal is not None:  # measured: an AdamW step per parameter and per tensor (ZeRO steps flat buffers)
+        tensors = 1 if layout.zero_stage >= 1 else 12 * stage_layers(model, layout.pp) + 4
+        step = psi * cal.optimizer_seconds_per_param + tensors * cal.optimizer_seconds_per_tensor
+        if layout.offload_optimizer == "none":
+            return step
+        return step + psi * (state.gradient + state.parameter) / g.pcie_bandwidth
     if layout.offload_optimizer == "none":
         return psi * OPTIMIZER_BYTES_PER_PARAM / (g.hbm_bandwidth * g.memory_efficiency)
     transfer = psi * (state.gradient + state.parameter) / g.pcie_bandwidth
@@ -156,6 +190,7 @@ class TimeEstimate:
     mfu: float
     hfu: float
     cp_comm: float = 0.0  # context parallelism's exposed attention traffic (ring sends not hidden, Ulysses)
+    zero3_gathers_exposed: float = 0.0  # part of dp_comm_exposed: stage 3's per-module gathers not hidden
 
 
 def step_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster, state: StateBytes,
@@ -166,7 +201,7 @@ def step_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Clu
     stage = _stage_time(model, layout, workload, cluster, traffic, gas)
     per_micro = stage.forward + stage.backward
     bubble = bubble_fraction_of_flush(layout) * per_micro
-    dp = _dp_exposed(traffic, layout, stage, gas)
+    dp, gathers = _dp_exposed(traffic, layout, workload, stage, gas, communication_overlaps_compute(cluster))
     opt = _optimizer_time(model, layout, workload, cluster, state)
     step = gas * per_micro + bubble + dp + opt
     tokens = workload.tokens_per_step()
@@ -176,7 +211,7 @@ def step_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Clu
     peak = cluster.gpu.peak_flops
     return TimeEstimate(gas * stage.compute, gas * stage.tp_comm, gas * stage.pp_comm, dp, bubble, opt, step,
                         tokens / step, per_gpu, model_flops * per_gpu, hw_flops * per_gpu,
-                        model_flops * per_gpu / peak, hw_flops * per_gpu / peak, gas * stage.cp_comm)
+                        model_flops * per_gpu / peak, hw_flops * per_gpu / peak, gas * stage.cp_comm, gathers)
 
 
 def training_flops(num_params: float, tokens: float) -> float:

@@ -24,6 +24,8 @@ group of one rank every function is the identity and sends nothing.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -32,6 +34,31 @@ from trident.comm.logger import CommsLogger
 
 ProcessGroup = dist.ProcessGroup
 SEQUENCE_DIM = 1
+
+_EAGER_CALLS: list[list] = []
+
+
+def _eager(fn):
+    """Run `fn` eagerly inside a torch.compile'd block (trident.engine.compile): its collective
+    (with trident's logger and flight recorder) is one clean graph break, instead of dynamo
+    compiling small graphs inside the autograd function's eager fallback. The call goes through
+    a cell that `keep_mappings_eager` points at `torch.compiler.disable(fn)` once compilation is
+    on, so importing trident does not import dynamo (about a second per process)."""
+    impl = [fn]
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return impl[0](*args, **kwargs)
+    _EAGER_CALLS.append(impl)
+    return call
+
+
+def keep_mappings_eager() -> None:
+    """Make every mapping a graph break for torch.compile (called before the first compile)."""
+    for impl in _EAGER_CALLS:
+        if not getattr(impl[0], "_trident_eager", False):
+            impl[0] = torch.compiler.disable(impl[0])
+            impl[0]._trident_eager = True
 
 
 def _size(group: ProcessGroup) -> int:
@@ -147,6 +174,7 @@ class _ScatterToSequence(torch.autograd.Function):
         return _gather(grad, ctx.dim, ctx.group, ctx.logger), None, None, None
 
 
+@_eager
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup, logger: CommsLogger | None = None) -> torch.Tensor:
     """Enter the region with a replicated tensor. Forward: identity. Backward: all-reduce (sum).
 
@@ -158,6 +186,7 @@ def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup, logger: CommsLogger 
     return _CopyToRegion.apply(x, group, logger)
 
 
+@_eager
 def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup, logger: CommsLogger | None = None) -> torch.Tensor:
     """Leave the region by summing partial results. Forward: all-reduce (sum). Backward: identity.
 
@@ -168,6 +197,7 @@ def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup, logger: CommsLog
     return _ReduceFromRegion.apply(x, group, logger)
 
 
+@_eager
 def scatter_to_tp_region(x: torch.Tensor, group: ProcessGroup, logger: CommsLogger | None = None) -> torch.Tensor:
     """Keep this rank's chunk of the last dim. Forward: split. Backward: all-gather the last dim."""
     if _size(group) == 1:
@@ -175,6 +205,7 @@ def scatter_to_tp_region(x: torch.Tensor, group: ProcessGroup, logger: CommsLogg
     return _ScatterToRegion.apply(x, group, logger)
 
 
+@_eager
 def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup, logger: CommsLogger | None = None) -> torch.Tensor:
     """Concatenate the ranks' chunks of the last dim. Forward: all-gather. Backward: split."""
     if _size(group) == 1:
@@ -182,6 +213,7 @@ def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup, logger: CommsLog
     return _GatherFromRegion.apply(x, group, logger)
 
 
+@_eager
 def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup, logger: CommsLogger | None = None,
                                          dim: int = SEQUENCE_DIM) -> torch.Tensor:
     """Sequence shards -> the whole sequence. Forward: all-gather along `dim`. Backward:
@@ -192,6 +224,7 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup, l
     return _GatherFromSequence.apply(x, group, logger, dim)
 
 
+@_eager
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup,
                                                logger: CommsLogger | None = None,
                                                dim: int = SEQUENCE_DIM) -> torch.Tensor:
@@ -202,6 +235,7 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGr
     return _ReduceScatterToSequence.apply(x, group, logger, dim)
 
 
+@_eager
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup, logger: CommsLogger | None = None,
                                         dim: int = SEQUENCE_DIM) -> torch.Tensor:
     """A replicated whole sequence -> this rank's shard. Forward: split along `dim`. Backward:

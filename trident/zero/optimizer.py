@@ -48,6 +48,7 @@ from trident.zero.stage2 import ShardedGradients
 from trident.zero.offload import make_param_store, make_placement
 from trident.zero.stage3 import Stage3Coordinator, build_partition, module_units
 from trident.zero.state import fill_partition_state, same_partitioning
+from trident.zero import zeropp
 
 
 @dataclass
@@ -93,13 +94,14 @@ class ZeroOptimizer(LocalStep):
     def __init__(self, stage: int, optimizer: torch.optim.Optimizer, named_params: dict[int, str], mesh,
                  zero_cfg, dtype: torch.dtype, predivide_factor: float, prescale: bool,
                  logger: CommsLogger | None, model: torch.nn.Module | None = None, aio=None,
-                 frozen: list[torch.nn.Parameter] = ()) -> None:
+                 frozen: list[torch.nn.Parameter] = (), comm_dtype: torch.dtype | None = None) -> None:
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError("the optimizer passed to trident.initialize already has state; pass a fresh "
                              "optimizer (or its config) so ZeRO can partition its state")
         self.stage, self.optimizer, self.mesh, self.cfg = stage, optimizer, mesh, zero_cfg
         self.zero_stage, self.partitions_parameters = stage, stage == 3
         self.dtype, self.logger = dtype, logger
+        self.comm_dtype = comm_dtype or dtype  # `communication_data_type` of the gradient reductions
         # requires_grad=False: no gradient, no optimizer state, no traffic. Stages 1-2 keep them whole
         # on every rank (counted in full as parameters); stage 3 partitions them like the others.
         self.frozen = list(frozen) if stage < 3 else []
@@ -117,6 +119,7 @@ class ZeroOptimizer(LocalStep):
         if any(is_expert(p) for p in trained):
             group = mesh.group(*EXPERT_GRADIENT_AXES)
             self.comms[True] = ReductionGroup(group, dist.get_world_size(group), dist.get_rank(group), self.scaling)
+        self.zeropp = zeropp.build(zero_cfg, mesh, self.world, self.rank, logger) if stage == 3 else None
         self.groups: list[PartitionGroup] = []
         self.sub_groups: list[tuple[PartitionGroup, int, int]] = []  # (group, first chunk, end chunk)
         self.coordinator = None
@@ -180,6 +183,9 @@ class ZeroOptimizer(LocalStep):
             shards = build_partition(pg, comm.rank, comm.world, self.dtype, len(self.groups), self.cfg,
                                      self.param_store)
             if g < 0:  # frozen: shards only
+                shards = list(shards)
+                if self.zeropp is not None and self.zeropp.frozen_weights is not None:
+                    _round_to_int8(shards, self.zeropp.frozen_weights)
                 pg.chunks = [(u.index, 0, shard.numel()) for u, shard in zip(pg.layout.units, shards)]
                 return pg
             self._make_masters(pg, shards)
@@ -233,7 +239,7 @@ class ZeroOptimizer(LocalStep):
         overlap = self.cfg.overlap_comm
         if self.stage == 1:
             pg.grads = FullGradients(pg.params, pg.layout, pg.unit_starts, pg.comm.group, pg.comm.rank, self.dtype,
-                                     overlap, self.cfg.reduce_scatter, pg.comm.scaling, self.logger)
+                                     overlap, self.cfg.reduce_scatter, pg.comm.scaling, self.logger, self.comm_dtype)
             return
         if self.stage == 2:
             buckets = [[u.index] for u in pg.layout.units]
@@ -246,7 +252,9 @@ class ZeroOptimizer(LocalStep):
         pg.grads = ShardedGradients(pg.params, pg.layout, buckets, pg.comm.group, self.dtype, overlap,
                                     self.cfg.contiguous_gradients, pg.comm.scaling, self.logger,
                                     on_unit_ready=functools.partial(self._unit_ready, pg),
-                                    reduce_scatter=self.cfg.reduce_scatter, rank=pg.comm.rank)
+                                    reduce_scatter=self.cfg.reduce_scatter, rank=pg.comm.rank,
+                                    comm_dtype=self.comm_dtype,
+                                    reducer=self.zeropp.gradients if self.zeropp and not pg.expert else None)
 
     def _unit_ready(self, pg: PartitionGroup, u: int) -> None:
         if self.coordinator is not None:
@@ -405,6 +413,7 @@ class ZeroOptimizer(LocalStep):
                 if pg.partition is not None and self.cfg.offload_param.device == "none":
                     params += pg.partition.numel() * pg.partition.element_size()
                 params += self.coordinator.live_numel_of(pg) * self.dtype.itemsize
+                params += self.coordinator.secondary_numel_of(pg) * self.dtype.itemsize  # hpZ
             if pg.grads is None:  # frozen
                 continue
             if isinstance(pg.grads, FullGradients):
@@ -547,6 +556,15 @@ def _group_units(layout: ShardedLayout, size: int, padded: bool = False) -> list
     if current:
         groups.append(current)
     return groups
+
+
+@torch.no_grad()
+def _round_to_int8(shards: list[torch.Tensor], quantizer) -> None:
+    """zero_quantized_nontrainable_weights: frozen shards hold their int8-block values, so the
+    quantized gathers of them are (up to float rounding) what is stored."""
+    for shard in shards:
+        if shard.numel():
+            quantizer.dequantize(quantizer.quantize(shard.view(1, -1)), shard.numel(), out=shard.view(1, -1))
 
 
 def _default_aio():

@@ -29,11 +29,13 @@ class FullGradients:
 
     def __init__(self, params: list[torch.nn.Parameter], layout: ShardedLayout, unit_starts: list[int],
                  group: dist.ProcessGroup, rank: int, dtype: torch.dtype, overlap_comm: bool,
-                 reduce_scatter: bool, scaling: GradScaling, logger: CommsLogger | None) -> None:
+                 reduce_scatter: bool, scaling: GradScaling, logger: CommsLogger | None,
+                 comm_dtype: torch.dtype | None = None) -> None:
         self.params, self.layout, self.unit_starts = params, layout, unit_starts
         self.group, self.rank = group, rank
         self.overlap_comm, self.use_reduce_scatter = overlap_comm, reduce_scatter
         self.scaling, self.logger = scaling, logger
+        self.comm_dtype = comm_dtype or dtype  # `communication_data_type`: the dtype on the wire
         total = unit_starts[-1] + layout.units[-1].padded if layout.units else 0
         self.buffer = torch.zeros(total, dtype=dtype, device=params[0].device if params else "cpu")
         unit_of = layout.unit_of()
@@ -82,12 +84,13 @@ class FullGradients:
         start = self.unit_starts[u]
         full = self.buffer[start:start + unit.padded]
         self.scaling.before(full)
+        wire = full if full.dtype == self.comm_dtype else full.to(self.comm_dtype)
         if self.use_reduce_scatter:
-            out = torch.empty(unit.shard, dtype=full.dtype, device=full.device)
-            handle = collectives.reduce_scatter(out, full, group=self.group, async_op=True, logger=self.logger)
+            out = torch.empty(unit.shard, dtype=wire.dtype, device=full.device)
+            handle = collectives.reduce_scatter(out, wire, group=self.group, async_op=True, logger=self.logger)
         else:
-            out = None
-            handle = collectives.all_reduce(full, group=self.group, async_op=True, logger=self.logger)
+            out = None if wire is full else wire[self.rank * unit.shard:(self.rank + 1) * unit.shard]
+            handle = collectives.all_reduce(wire, group=self.group, async_op=True, logger=self.logger)
         self._handles.append((u, handle, out))
         self._next += 1
 

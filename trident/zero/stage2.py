@@ -44,13 +44,15 @@ class ShardedGradients:
                  group: dist.ProcessGroup, dtype: torch.dtype, overlap_comm: bool, contiguous: bool,
                  scaling: GradScaling, logger: CommsLogger | None,
                  on_unit_ready: Callable[[int], None] | None = None, reduce_scatter: bool = True,
-                 rank: int = 0) -> None:
+                 rank: int = 0, comm_dtype: torch.dtype | None = None, reducer=None) -> None:
         self.params, self.layout, self.buckets = params, layout, buckets
         self.group, self.dtype = group, dtype
         self.world = layout.world
         self.overlap_comm, self.contiguous = overlap_comm, contiguous
         self.use_reduce_scatter, self.rank = reduce_scatter, rank
         self.scaling, self.logger, self.on_unit_ready = scaling, logger, on_unit_ready
+        self.comm_dtype = comm_dtype or dtype  # `communication_data_type`: the dtype on the wire
+        self.reducer = reducer  # ZeRO++ qgZ (trident.compression.hierarchical), else reduce_scatter
         self.device = params[0].device if params else torch.device("cpu")
         n = layout.partition_numel
         self.partition = torch.zeros(n, dtype=dtype, device=self.device) if contiguous else None
@@ -152,8 +154,13 @@ class ShardedGradients:
                 if s.index not in self._arrived[u]:
                     self._zero_range(staging, b, unit, s.offset, s.offset + s.numel)
         self.scaling.before(staging)
-        if self.use_reduce_scatter:
-            out = torch.empty(staging.shape[1], dtype=self.dtype, device=self.device)
+        if staging.dtype != self.comm_dtype:
+            staging = staging.to(self.comm_dtype)
+        if self.reducer is not None:
+            out = torch.empty(staging.shape[1], dtype=staging.dtype, device=self.device)
+            handle = self.reducer.launch(out, staging)
+        elif self.use_reduce_scatter:
+            out = torch.empty(staging.shape[1], dtype=staging.dtype, device=self.device)
             handle = collectives.reduce_scatter(out, staging, group=self.group, async_op=True, logger=self.logger)
         else:  # all-reduce the whole bucket and keep this rank's row: twice the traffic
             handle = collectives.all_reduce(staging, group=self.group, async_op=True, logger=self.logger)
@@ -167,6 +174,8 @@ class ShardedGradients:
         """Wait for bucket b's reduction and add this rank's shard into the partition."""
         handle.wait()
         self.scaling.after(out)
+        if out.dtype != self.dtype:
+            out = out.to(self.dtype)  # reduced in `communication_data_type`, kept in the partition's dtype
         lo, hi = self.bucket_range(b)
         if self.contiguous:
             target = self.partition[lo:hi]

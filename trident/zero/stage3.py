@@ -27,6 +27,12 @@ once the gather has it; the step writes updated shards back into the files.
 
 A parameter shared by two modules (tied embeddings) belongs to the unit of the first module in
 `named_modules()` order; every module that holds it gathers that unit.
+
+ZeRO++ (trident.zero.zeropp; off = none of this runs): with qwZ a unit's gather sends each
+rank's shard as int8 blocks (QUANT) and its whole value is int8-rounded until released; with hpZ
+every gather from the whole group also keeps this rank's secondary shard (1/hpz of the unit),
+and until the next optimizer step the unit is gathered from those inside the node (NODE).
+`zero.GatheredParameters` and checkpoints always gather the stored values (`exact`).
 """
 
 from __future__ import annotations
@@ -37,8 +43,11 @@ from typing import Any
 import torch
 
 from trident.comm import collectives
+from trident.zero import zeropp
 
 _Key = tuple[int, int]  # (partition group position, unit index)
+
+PLAIN, QUANT, NODE = "plain", "quant", "node"  # how a unit is gathered (Stage3Coordinator._mode)
 
 _COALESCE_BELOW = 1 << 16
 """Units with fewer elements are gathered together in one collective (latency-bound); larger
@@ -78,6 +87,12 @@ class Stage3Coordinator:
                            if all(s.numel <= threshold for s in u.slots)}
         self.full: dict[_Key, torch.Tensor] = {}
         self.held: set[_Key] = set()  # gathered for zero.GatheredParameters: not released by hooks
+        self.peak_numel = 0  # most gathered elements at once (full or on their way), since start
+        self._live_numel = 0  # gathered elements now (live_numel() without the sums)
+        self.zeropp = getattr(zero, "zeropp", None)
+        self.secondary: dict[_Key, torch.Tensor] = {}  # hpZ: this rank's 1/hpz of a unit, valid until the step
+        self.inexact: set[_Key] = set()  # whole units holding int8-rounded values (qwZ), not the stored ones
+        self._quantizer, self._hpz_keys = zeropp.plan_units(self.zeropp, self.units, self.persistent)
         self.pending: dict[_Key, tuple[torch.Tensor, Any]] = {}
         self.trace: list | None = None
         self._recording: list = []
@@ -104,7 +119,7 @@ class Stage3Coordinator:
     def live_numel(self) -> int:
         return sum(t.numel() for t in self.full.values()) + sum(self.numel(k) for k in self.pending)
 
-    def _launch(self, keys: list[_Key]) -> None:
+    def _launch(self, keys: list[_Key], exact: bool = False) -> None:
         """Start gathering units. Large units are gathered straight into their own buffers (no
         copy); small ones together with one all-gather (their shards side by side, so rank r's
         row of the result holds its shards; each unit is then copied out whole), which saves
@@ -113,30 +128,52 @@ class Stage3Coordinator:
         small = [k for k in keys if self.numel(k) < _COALESCE_BELOW]
         for key in keys:
             if key not in small:
-                self._launch_batch([key])
-        by_group: dict[int, list[_Key]] = {}  # expert units gather over their own group (trident.moe)
+                self._launch_batch([key], self._mode(key, exact))
+        by_group: dict[tuple, list[_Key]] = {}  # expert units gather over their own group (trident.moe)
         for key in small:
-            by_group.setdefault(id(self.units[key][0].comm.group), []).append(key)
-        for batch in by_group.values():
-            self._launch_batch(batch)
+            mode = self._mode(key, exact)
+            by_group.setdefault((mode, id(self.units[key][0].comm.group)), []).append(key)
+        for (mode, _), batch in by_group.items():
+            self._launch_batch(batch, mode)
 
-    def _launch_batch(self, keys: list[_Key]) -> None:
-        shards = [self._shard(key) for key in keys]
-        comm = self.units[keys[0]][0].comm  # the same for every key of a batch
-        if len(keys) == 1:
-            mine = shards[0]
-            out = torch.empty(self.units[keys[0]][1].padded, dtype=mine.dtype, device=mine.device)
+    def _mode(self, key: _Key, exact: bool) -> str:
+        """How a unit is gathered: from the whole group (PLAIN), as int8 blocks (QUANT, qwZ), or
+        from the secondary shards inside the node (NODE, hpZ)."""
+        if self.zeropp is None or exact:
+            return PLAIN
+        if key in self.secondary:
+            return NODE
+        return QUANT if key in self._quantizer else PLAIN
+
+    def _launch_batch(self, keys: list[_Key], mode: str = PLAIN) -> None:
+        if mode == NODE:
+            shards = [self.secondary[key] for key in keys]
+            group, world = self.zeropp.node_group, self.zeropp.hpz
         else:
-            mine = torch.cat(shards)
-            out = torch.empty(comm.world, mine.numel(), dtype=mine.dtype, device=mine.device)
-        if comm.world == 1:
+            shards = [self._shard(key) for key in keys]
+            comm = self.units[keys[0]][0].comm  # the same for every key of a batch
+            group, world = comm.group, comm.world
+        mine = shards[0] if len(keys) == 1 else torch.cat(shards)
+        quantizer = self._quantizer[keys[0]] if mode == QUANT and world > 1 else None
+        numel = mine.numel()
+        if quantizer is not None:
+            send = quantizer.quantize(mine.view(1, -1))
+            out = torch.empty(world, send.shape[1], dtype=send.dtype, device=send.device)
+            mine = send
+        elif len(keys) == 1:
+            out = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
+        else:
+            out = torch.empty(world, mine.numel(), dtype=mine.dtype, device=mine.device)
+        if world == 1:
             out.view(-1).copy_(mine)
             handle = None
         else:
-            handle = collectives.all_gather(out, mine, group=comm.group, async_op=True, logger=self.zero.logger)
-        batch = _Gather(keys, out, handle, mine)
+            handle = collectives.all_gather(out, mine, group=group, async_op=True, logger=self.zero.logger)
+        batch = _Gather(keys, out, handle, mine, mode, quantizer, shards[0].dtype, numel)
         for key in keys:
             self.pending[key] = batch
+        self._live_numel += sum(self.numel(key) for key in keys)
+        self.peak_numel = max(self.peak_numel, self._live_numel)
 
     def _shard(self, key: _Key) -> torch.Tensor:
         """This rank's shard of a unit on the parameters' device: read from its swap file
@@ -156,23 +193,45 @@ class Stage3Coordinator:
             return
         if batch.handle is not None:
             batch.handle.wait()
+        if batch.quantizer is not None:  # qwZ: every rank's int8 row back to values, once per batch
+            rows = batch.out
+            batch.out = batch.quantizer.dequantize(rows, batch.numel, batch.dtype)
+            batch.quantizer = None
         col = 0
         for k in batch.keys:
             pg, unit = self.units[k]
+            width = unit.padded // self.zeropp.hpz if batch.mode == NODE else unit.shard
             if len(batch.keys) == 1:
-                full = batch.out
+                full = batch.out.view(-1)
             else:
-                full = batch.out[:, col:col + unit.shard].reshape(-1)  # a copy: the rows are strided
-            col += unit.shard
+                full = batch.out[:, col:col + width].reshape(-1)  # a copy: the rows are strided
+            col += width
             if self.pending.pop(k, None) is None:
                 continue
             for s in unit.slots:
                 pg.params[s.index].data = full[s.offset:s.offset + s.numel].view(s.shape)
             self.full[k] = full
+            if self.zeropp is not None:
+                self._gathered(k, full, batch.mode)
 
-    def gather(self, keys) -> None:
-        """Make the units whole now (one collective for the ones not already on their way)."""
-        self._launch(list(keys))
+    def _gathered(self, key: _Key, full: torch.Tensor, mode: str) -> None:
+        """ZeRO++ bookkeeping of a unit made whole: int8-rounded or not, and (hpZ, gathered from
+        the whole group) this rank's secondary shard, which backward gathers from in the node."""
+        if mode == QUANT or (mode == NODE and key in self._quantizer):  # secondary shards of an int8 gather
+            self.inexact.add(key)
+        if mode != NODE and key in self._hpz_keys:
+            size = full.numel() // self.zeropp.hpz
+            j = self.zeropp.node_rank
+            self.secondary[key] = full[j * size:(j + 1) * size].clone()
+
+    def secondary_numel_of(self, pg) -> int:
+        """Elements of one partition group's secondary (hpZ) shards held now."""
+        return sum(t.numel() for k, t in self.secondary.items() if self.units[k][0] is pg)
+
+    def gather(self, keys, exact: bool = False) -> None:
+        """Make the units whole now (one collective for the ones not already on their way);
+        `exact`: with the stored values, not int8-rounded ones nor from the secondary shards."""
+        self._launch(list(keys), exact)
         for key in keys:
             self._wait(key)
 
@@ -185,7 +244,9 @@ class Stage3Coordinator:
         for s in unit.slots:
             p = pg.params[s.index]
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self.full.pop(key, None)
+        if self.full.pop(key, None) is not None:
+            self._live_numel -= self.numel(key)
+        self.inexact.discard(key)
 
     def live_numel_of(self, pg) -> int:
         """Gathered (whole) elements of one partition group's units right now."""
@@ -193,7 +254,12 @@ class Stage3Coordinator:
 
     def hold(self, keys) -> None:
         """Gather units and keep them whole until `unhold` (zero.GatheredParameters)."""
-        self.gather(sorted(keys))
+        if self.zeropp is not None:
+            for key in sorted(keys):
+                self._wait(key)
+                if key in self.inexact:
+                    self._release(key, force=True)  # int8-rounded (qwZ): gather the stored values instead
+        self.gather(sorted(keys), exact=True)
         self.held.update(keys)
 
     @torch.no_grad()
@@ -201,6 +267,7 @@ class Stage3Coordinator:
         """End a hold; with `write_back`, the whole values become the shards (and masters)."""
         for key in sorted(keys):
             self.held.discard(key)
+            self.secondary.pop(key, None)
             if write_back:
                 pg, unit = self.units[key]
                 lo, hi = unit.shard_range(pg.comm.rank)
@@ -218,9 +285,12 @@ class Stage3Coordinator:
 
     @torch.no_grad()
     def refresh_persistent(self) -> None:
-        """Re-gather the units kept whole (after each optimizer step updated their shards)."""
+        """Re-gather the units kept whole (after each optimizer step updated their shards); the
+        secondary (hpZ) shards are stale from now on: the next forward gathers from the group."""
+        self.secondary.clear()
         for key in self.persistent:
-            self.full.pop(key, None)
+            if self.full.pop(key, None) is not None:
+                self._live_numel -= self.numel(key)
         self.gather(sorted(self.persistent))
 
     # -- hooks -------------------------------------------------------------------------------
@@ -335,10 +405,13 @@ class Stage3Coordinator:
 class _Gather:
     """All-gathers in flight: the units, the output buffer and the collective's handle."""
 
-    __slots__ = ("keys", "out", "handle", "source")
+    __slots__ = ("keys", "out", "handle", "source", "mode", "quantizer", "dtype", "numel")
 
-    def __init__(self, keys: list[_Key], out: torch.Tensor, handle, source: torch.Tensor) -> None:
+    def __init__(self, keys: list[_Key], out: torch.Tensor, handle, source: torch.Tensor, mode: str = PLAIN,
+                 quantizer=None, dtype: torch.dtype | None = None, numel: int = 0) -> None:
         self.keys, self.out, self.handle, self.source = keys, out, handle, source  # source: alive until done
+        # qwZ: `out` holds each rank's int8 row of `numel` values, dequantized to `dtype` on arrival
+        self.mode, self.quantizer, self.dtype, self.numel = mode, quantizer, dtype, numel
 
 
 class _Stage3Linear(torch.autograd.Function):

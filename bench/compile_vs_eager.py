@@ -1,0 +1,101 @@
+"""torch.compile per block vs eager: the demo GPT's training step time on CPU (inductor).
+
+The engine is trident/configs/demo.json's (micro batch 8, AdamW, clipping 1.0, its LR schedule)
+on the demo GPT (4.24M parameters), with `compile: {enabled: true}` or without. Every (system,
+repeat) runs in fresh processes (one per rank, one thread each), the systems interleaved repeat
+by repeat in rotating order; the warm-up steps include the compilation (inductor's FX graph
+cache on disk makes every run after the first reuse its kernels). Prints the median step time
+of each system, the ratio (target: compiled >= 1.2x eager's speed) and the graph breaks per block.
+
+    python bench/compile_vs_eager.py [--repeats 5] [--steps 10] [--world 1]
+
+bench/suite.py (or any script) can call `run(system, steps)` for one fresh run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from importlib import resources
+
+import torch
+import torch.distributed as dist
+
+from _common import DEMO_GPT, build_gpt, rotated, run_ranks, start_rank, timed_steps, token_batches
+
+SYSTEMS = ("eager", "compiled")
+WARMUP = 3  # the first step compiles; two more settle the allocator
+
+
+def demo_config(system: str) -> dict:
+    """demo.json's engine sections (the `trident train` ones dropped), compiled or not."""
+    data = json.loads(resources.files("trident.configs").joinpath("demo.json").read_text())
+    config = {k: v for k, v in data.items() if k not in ("model", "data", "trainer")}
+    return {**config, "compile": {"enabled": system == "compiled", "backend": "inductor"}}
+
+
+def _worker(rank: int, port: int, system: str, world: int, warmup: int, steps: int, out) -> None:
+    start_rank(rank, world, port)
+    sys.stdout = open(os.devnull, "w")  # keep trident's start-up tables out of the report
+    import trident
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    config = demo_config(system)
+    engine, *_ = trident.initialize(model=build_gpt(DEMO_GPT), config=config)
+
+    def step(batch: torch.Tensor) -> None:
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+        engine.step()
+
+    started = time.perf_counter()
+    first = next(token_batches(rank, DEMO_GPT, config["train_micro_batch_size_per_gpu"]))
+    step(first)  # eager: one plain step; compiled: the compilation
+    first_s = time.perf_counter() - started
+    median, _ = timed_steps(step, token_batches(rank, DEMO_GPT, config["train_micro_batch_size_per_gpu"]),
+                            warmup, steps)
+    report = engine.compile_report
+    out.put({"rank": rank, "step_s": median, "first_step_s": first_s,
+             "graph_breaks": report.graph_breaks() if report is not None else None})
+    dist.destroy_process_group()
+
+
+def run(system: str, steps: int = 10, warmup: int = WARMUP, world: int = 1) -> dict:
+    """One fresh run of `system` ("eager" or "compiled") on `world` ranks: {"system", "step_s"
+    (the slowest rank's median seconds per step), "first_step_s" (compilation included),
+    "graph_breaks" (block name -> breaks, compiled only)}."""
+    if system not in SYSTEMS:
+        raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
+    results = run_ranks(_worker, world, (system, world, warmup, steps), f"compile_vs_eager {system}")
+    slowest = max(results, key=lambda r: r["step_s"])
+    return {"system": system, "step_s": slowest["step_s"], "first_step_s": max(r["first_step_s"] for r in results),
+            "graph_breaks": slowest["graph_breaks"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--world", type=int, default=1, help="ranks (data parallel), one thread each")
+    args = parser.parse_args(argv)
+    times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    breaks = None
+    for repeat in range(args.repeats):
+        for system in rotated(SYSTEMS, repeat):
+            result = run(system, args.steps, world=args.world)
+            times[system].append(result["step_s"])
+            breaks = result["graph_breaks"] if system == "compiled" else breaks
+            print(f"repeat {repeat}: {system:8s} {result['step_s'] * 1e3:8.1f} ms/step "
+                  f"(first step {result['first_step_s']:.1f} s)", flush=True)
+    eager, compiled = (statistics.median(times[s]) for s in SYSTEMS)
+    print(f"\ndemo GPT, world {args.world}, {args.repeats} repeats x {args.steps} steps (medians):")
+    print(f"  eager    {eager * 1e3:8.1f} ms/step")
+    print(f"  compiled {compiled * 1e3:8.1f} ms/step   speed-up {eager / compiled:.2f}x (target >= 1.2x)")
+    print(f"  graph breaks per block: {breaks}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""`trident plan --calibrate`: measure this machine for the planner, in well under a minute.
+
+Every rank of the world measures at once (`measure_rank`), so each sees what a training run's
+rank sees: the other ranks loading the same cores, caches and memory bus, and the same thread
+count. What is measured:
+
+- GEMM seconds on a grid of (m, n, k) (`GEMM_GRID`), the fastest of several timed repeats;
+- copy bandwidth (host transfers, offload) and the element-wise bandwidth of a transformer
+  layer's mix (layer norm, GELU, residual add, scale) forward;
+- the fixed cost of one autograd op (forward + backward of a tiny tensor): per-layer costs;
+- an AdamW step's cost per parameter and per tensor;
+- alpha-beta of all_reduce, all_gather, reduce_scatter, broadcast, all_to_all and p2p on the
+  backend at hand (gloo on CPU, NCCL on GPU), least squares over a few message sizes.
+
+On a GPU (`device="cuda"`) the same code times with CUDA synchronisation, in bf16; it is
+written for NCCL but has only run on CPU here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trident.planner.cluster import COLLECTIVES, Calibration, CollectiveFit
+from trident.planner.gemm import GemmTable
+
+GEMM_GRID = ((32, 64, 128, 256, 512, 1024),) * 3
+"""(m, n, k) values measured, every combination (216 shapes, 2 GFLOP at most): steps of 2,
+because a CPU's rate falls off a cliff where A, B and C outgrow its caches, and coarser steps
+interpolate across the cliff. Larger shapes take the rate at the grid's edge."""
+COMM_SIZES = (4 << 10, 256 << 10, 2 << 20, 8 << 20)
+"""Message sizes (bytes) each collective is timed at for the alpha-beta fit."""
+MIN_SAMPLE_SECONDS = 0.002
+SAMPLES = 5
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, samples: int = SAMPLES, group=None) -> float:
+    """Seconds of one `fn()` call: a warm-up, then the fastest of `samples` timings, each
+    repeating fn enough times to last MIN_SAMPLE_SECONDS (timer resolution). The fastest,
+    not the median: other processes only ever add time, and what is wanted is what the
+    hardware does (on a loaded machine training steps will be slower than predicted). With `group` (fn is a collective)
+    the ranks agree on the repeat count, or they would wait for each other forever."""
+    fn()
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    one = max(time.perf_counter() - start, 1e-7)
+    reps = max(1, int(MIN_SAMPLE_SECONDS / one))
+    if group is not None:
+        agreed = torch.tensor([reps], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        reps = int(agreed.item())
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) / reps)
+    return min(times)
+
+
+GEMM_PASSES = 2
+"""Times the grid is swept; each shape keeps its fastest pass (a burst of load elsewhere,
+which evicts the caches for a while, rarely hits the same shape twice)."""
+
+
+def measure_gemm(device: torch.device, dtype: torch.dtype, group=None) -> GemmTable:
+    """The GEMM grid; ranks step through it together (a barrier per shape) so that each shape is
+    timed while the other ranks run the same one, as in training."""
+    ms, ns, ks = GEMM_GRID
+    best: dict[tuple[int, int, int], float] = {}
+    for _ in range(GEMM_PASSES):
+        for m in ms:
+            for n in ns:
+                for k in ks:
+                    a = torch.randn(m, k, device=device, dtype=dtype)
+                    b = torch.randn(k, n, device=device, dtype=dtype)
+                    if group is not None:
+                        dist.barrier(group=group)
+                    t = _timed(lambda: torch.mm(a, b), device, samples=3)
+                    best[(m, n, k)] = min(t, best.get((m, n, k), t))
+    return GemmTable(ms, ns, ks, tuple((m, n, k, t) for (m, n, k), t in best.items()))
+
+
+def measure_bandwidths(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(copy bandwidth, element-wise bandwidth) in bytes/s; both count bytes read + written."""
+    x = torch.randn(4 << 20, device=device, dtype=dtype)
+    y = torch.empty_like(x)
+    e = x.element_size()
+    copy = 2 * x.numel() * e / _timed(lambda: y.copy_(x), device)
+    h = 256
+    act = torch.randn(x.numel() // (4 * h), h, device=device, dtype=dtype)
+    wide = torch.randn(act.shape[0], 4 * h, device=device, dtype=dtype)
+    weight = torch.ones(h, device=device, dtype=dtype)
+
+    def mix():
+        torch.nn.functional.layer_norm(act, (h,), weight, weight)
+        torch.nn.functional.gelu(wide)
+        torch.add(act, act)
+        torch.mul(act, 0.5)
+
+    moved = e * (2 * act.numel() + 2 * wide.numel() + 3 * act.numel() + 2 * act.numel())
+    return copy, moved / _timed(mix, device)
+
+
+def measure_op_seconds(device: torch.device) -> float:
+    """One tiny op's forward and backward through autograd: the per-op fixed cost."""
+    x = torch.randn(8, device=device, requires_grad=True)
+    ops = 64
+
+    def chain():
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return _timed(chain, device) / ops
+
+
+def measure_optimizer(device: torch.device) -> tuple[float, float]:
+    """(seconds per parameter, seconds per tensor) of an AdamW step, from a few large and many
+    small tensors (t = a x tensors + b x parameters)."""
+    def step_time(tensors: int, numel: int) -> float:
+        params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        return _timed(opt.step, device)
+
+    big_t, big_n = 4, 1 << 19
+    small_t, small_n = 256, 64
+    t_big, t_small = step_time(big_t, big_n), step_time(small_t, small_n)
+    per_param = max(1e-12, (t_big - t_small * big_t / small_t) / (big_t * big_n - small_t * small_n * big_t / small_t))
+    per_tensor = max(0.0, (t_small - per_param * small_t * small_n) / small_t)
+    return per_param, per_tensor
+
+
+def _collective_call(op: str, size: int, device: torch.device, group, rank: int, world: int):
+    """A zero-argument callable running one `op` of `size` bytes (the op's full buffer)."""
+    n = max(world, size // 4 // world * world)
+    full = torch.zeros(n, device=device)
+    shard = torch.zeros(n // world, device=device)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if op == "all_gather":  # torch >= 2.13 names these *_single; older ones *_into_tensor / *_tensor
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(full, shard, group=group)
+    if op == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(shard, full, group=group)
+    if op == "broadcast":
+        return lambda: dist.broadcast(full, src=0, group=group)
+    if op == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(out, full, group=group)
+    peer = 1 - rank if rank < 2 else None  # p2p: ranks 0 and 1 ping-pong; one message is half a round trip
+
+    def ping():
+        if peer is None:
+            return
+        if rank == 0:
+            dist.send(full, peer, group=group)
+            dist.recv(full, peer, group=group)
+        else:
+            dist.recv(full, peer, group=group)
+            dist.send(full, peer, group=group)
+    return ping
+
+
+def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
+    """Least squares t = alpha + beta x size, both kept >= 0."""
+    n = len(sizes)
+    mean_s, mean_t = sum(sizes) / n, sum(seconds) / n
+    var = sum((s - mean_s) ** 2 for s in sizes)
+    beta = max(0.0, sum((s - mean_s) * (t - mean_t) for s, t in zip(sizes, seconds)) / var) if var else 0.0
+    alpha = max(0.0, mean_t - beta * mean_s)
+    if beta == 0.0:
+        beta = 1e-12
+    return alpha, beta
+
+
+def measure_collectives(device: torch.device, group, rank: int, world: int) -> dict[str, CollectiveFit]:
+    fits = {}
+    for op in COLLECTIVES:
+        times = []
+        for size in COMM_SIZES:
+            call = _collective_call(op, size, device, group, rank, world)
+            dist.barrier(group=group)
+            t = _timed(call, device, group=group)
+            times.append(t / 2 if op == "p2p" else t)
+        try:
+            alpha, beta = fit_alpha_beta(COMM_SIZES, times)
+        except ZeroDivisionError:
+            continue
+        fits[op] = CollectiveFit(alpha, beta, world)
+    return fits
+
+
+def measure_rank(device: str | torch.device = "cpu", group=None, threads: int | None = None) -> dict:
+    """Everything, measured on this rank while the others do the same; JSON-ready."""
+    device = torch.device(device)
+    if threads is not None and device.type == "cpu":
+        torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+    gemm = measure_gemm(device, dtype, group if world > 1 else None)
+    copy, elementwise = measure_bandwidths(device, dtype)
+    op = measure_op_seconds(device)
+    per_param, per_tensor = measure_optimizer(device)
+    fits = measure_collectives(device, group, rank, world) if world > 1 else {}
+    return Calibration(device.type, dist.get_backend(group) if world > 1 else "none", world,
+                       torch.get_num_threads(), str(dtype).removeprefix("torch."), gemm, copy, elementwise, op,
+                       per_param, per_tensor, fits, _memory_bytes(device), platform.node(),
+                       datetime.now(timezone.utc).isoformat(timespec="seconds"), torch.__version__).to_json()
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_rank(rank: int, world: int, port: int, threads: int, out_dir: str) -> None:
+    """One calibration rank: start its process group, measure, write rank<N>.json."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        data = measure_rank(device, dist.group.WORLD, threads)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(data))
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate(world_size: int | None = None, threads: int | None = None) -> Calibration:
+    """Spawn `world_size` ranks (default: the GPUs, or 2 on a CPU), measure, return rank 0's view.
+
+    On a CPU each rank gets `threads` threads (default: the cores divided by the ranks, as
+    `trident launch` gives a training run's ranks)."""
+    cuda = torch.cuda.is_available()
+    world = world_size or (torch.cuda.device_count() if cuda else 2)
+    threads = threads or max(1, (os.cpu_count() or 1) // world)
+    with tempfile.TemporaryDirectory() as out:
+        torch.multiprocessing.spawn(_spawned_rank, args=(world, _free_port(), threads, out), nprocs=world, join=True)
+        return Calibration.from_json(json.loads(Path(out, "rank0.json").read_text()), "calibration")
+
+
+__all__ = ["GEMM_GRID", "calibrate", "fit_alpha_beta", "measure_gemm", "measure_rank"]

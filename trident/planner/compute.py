@@ -1,0 +1,94 @@
+"""Compute seconds of one micro-batch on one pipeline stage, GEMM by GEMM.
+
+Each transformer layer is its GEMMs, each priced at its own shape on the device's curve
+(`GPUSpec.gemm_curve()`: measured here, or the published curve of a GPU preset):
+
+    qkv        [T, h] x [h, (h + 2 kv) / t]        attention out  [T, h / t] x [h / t, h]
+    MLP in     [T, h] x [h, f / t] (x2 gated)      MLP out        [T, f / t] x [f / t, h]
+    scores     b a / t batched [s', d] x [d, s]    values         b a / t batched [s', s] x [s, d]
+
+with T = b s' tokens of the micro-batch on this rank (s' = s / cp), t the tensor-parallel size,
+f the MLP width, a the heads and d the head width. Backward runs two GEMMs per forward one (the
+input gradient [m, n] x [n, k] and the weight gradient [k, m] x [m, n]). The head adds the
+logits GEMM [T, h] x [h, V / t]. Element-wise traffic (`time.elementwise_bytes_per_token`)
+goes at the sustained memory bandwidth (backward: twice the forward's), and every layer pays
+a fixed cost per kernel: `KERNELS_FORWARD` + `KERNELS_BACKWARD` kernels at
+`GPUSpec.kernel_seconds` (launch latency on a GPU, an autograd op's dispatch on a CPU) -- what
+makes small layers slower than their FLOPs say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trident.planner.gemm import gemm_seconds
+from trident.planner.layout import Layout, Workload, attention_kind, local_seq_len, stage_layers
+from trident.planner.presets import Cluster, ModelSpec
+
+KERNELS_FORWARD = 16
+"""Kernels of one layer's forward besides its GEMMs: two norms, the activation, two residual
+adds, head split/merge copies, softmax (or the fused attention), dropouts, bias adds."""
+KERNELS_BACKWARD = 24
+"""Their backward kernels (most element-wise ops have one or two)."""
+KERNELS_HEAD = 8
+"""Embedding lookup, final norm, loss (log-softmax, gather, mean) forward and backward."""
+
+
+@dataclass(frozen=True)
+class MicroBatchCompute:
+    """Seconds of one micro-batch on the busiest stage: forward, backward, recomputed forward."""
+
+    forward: float
+    backward: float
+    recompute: float
+
+
+def layer_gemms(model: ModelSpec, layout: Layout, workload: Workload) -> list[tuple[float, float, float, float]]:
+    """One layer's forward GEMMs on one rank as (m, n, k, count)."""
+    t, h = layout.tp, model.d_model
+    s_local = local_seq_len(layout, workload)
+    tokens = layout.micro_batch * s_local
+    mlp_in = (2 if model.gated_mlp else 1) * model.ff_dim / t
+    experts = model.moe_k if model.num_experts else 1
+    heads = model.n_head / t
+    d = h / model.n_head
+    return [(tokens, (h + 2 * model.kv_dim) / t, h, 1), (tokens, h, h / t, 1),
+            (tokens, mlp_in, h, experts), (tokens, h, model.ff_dim / t, experts),
+            (s_local, workload.seq_len, d, layout.micro_batch * heads),
+            (s_local, d, workload.seq_len, layout.micro_batch * heads)]
+
+
+def _fwd_bwd(curve, m: float, n: float, k: float, count: float, e: int) -> tuple[float, float]:
+    fwd = gemm_seconds(curve, m, n, k, e, count)
+    bwd = gemm_seconds(curve, m, k, n, e, count) + gemm_seconds(curve, k, n, m, e, count)
+    return fwd, bwd
+
+
+def micro_batch_compute(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster,
+                        elementwise_bytes: float) -> MicroBatchCompute:
+    """Forward, backward and recompute seconds of one micro-batch on the busiest stage.
+
+    `elementwise_bytes` is one layer's element-wise traffic for the micro-batch."""
+    g = cluster.gpu
+    curve, e = g.gemm_curve(), workload.activation_bytes
+    layers = stage_layers(model, layout.pp)
+    fwd_layer = bwd_layer = 0.0
+    flash = attention_kind(layout, workload) == "flash"
+    for i, (m, n, k, count) in enumerate(layer_gemms(model, layout, workload)):
+        f, b = _fwd_bwd(curve, m, n, k, count, 0 if flash and i >= 4 else e)  # flash keeps scores on chip
+        fwd_layer, bwd_layer = fwd_layer + f, bwd_layer + b
+    ew = elementwise_bytes / (g.hbm_bandwidth * g.memory_efficiency)
+    fwd_layer += ew + KERNELS_FORWARD * g.kernel_seconds
+    bwd_layer += 2 * ew + KERNELS_BACKWARD * g.kernel_seconds
+    tokens = layout.micro_batch * local_seq_len(layout, workload)
+    head_f, head_b = _fwd_bwd(curve, tokens, model.vocab_size / layout.tp, model.d_model, 1, e)
+    head_k = KERNELS_HEAD * g.kernel_seconds
+    forward, backward = layers * fwd_layer + head_f + head_k / 2, layers * bwd_layer + head_b + head_k / 2
+    if layout.activation_checkpointing == "full":
+        recompute = layers * fwd_layer
+    elif layout.activation_checkpointing == "selective":
+        scores = layer_gemms(model, layout, workload)[4:]
+        recompute = layers * sum(gemm_seconds(curve, m, n, k, e, c) for m, n, k, c in scores)
+    else:
+        recompute = 0.0
+    return MicroBatchCompute(forward, backward + recompute, recompute)
