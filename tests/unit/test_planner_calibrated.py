@@ -97,6 +97,26 @@ def test_calibrated_cluster_prices_compute_with_the_measured_table():
     assert est.time.optimizer == pytest.approx(model.num_parameters() * 2e-9 + (12 * 2 + 4) * 20e-6)
 
 
+def test_fused_attention_goes_at_its_measured_rate_by_head_width():
+    """A CPU's fused attention runs well below its GEMM rate, narrow heads slower still: with
+    measured rates its FLOPs go at the rate of the model's head width (log-linear between the
+    widths measured), forward once and backward twice."""
+    from trident.planner.gemm import attention_rate
+    rates = ((16, 1e9), (64, 4e9))
+    assert attention_rate(rates, 32) == pytest.approx(2e9)  # halfway in log between 16 and 64
+    assert attention_rate(rates, 8) == pytest.approx(1e9) and attention_rate(rates, 256) == pytest.approx(4e9)
+    model, w = ModelSpec("tiny", 2, 128, 4, 256, 64), Workload(64, 8, "fp32", "adamw", attention="flash")
+    lay = Layout(dp=2, micro_batch=4)
+    fast = estimate(model, lay, calibrated_cluster(_calibration()), w).time.compute
+    slow = estimate(model, lay, calibrated_cluster(_calibration(attention_rates=((32, 1e9),))), w).time.compute
+    faster = estimate(model, lay, calibrated_cluster(_calibration(attention_rates=((32, 2e9),))), w).time.compute
+    flops = 2 * 4 * 2 * 64 * 64 * 32 * 4 * 2  # (scores + values) x layers, b a batched [s, d] x [d, s]
+    assert slow - faster == pytest.approx(3 * flops * (1 / 1e9 - 1 / 2e9))
+    assert slow > fast  # the table's GEMM rate (up to 1e10) beats 1 GFLOP/s
+    cal = _calibration(attention_rates=((32, 1e9), (64, 2e9)))
+    assert Calibration.from_json(json.loads(json.dumps(cal.to_json()))) == cal
+
+
 def test_cli_predicts_with_a_cluster_file(tmp_path, capsys):
     path = save_calibration(_calibration(), tmp_path / "c.json")
     assert main(["--layers", "2", "--hidden", "128", "--heads", "4", "--vocab", "256", "--seq-len", "64",

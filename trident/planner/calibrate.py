@@ -5,8 +5,9 @@ rank sees: the other ranks loading the same cores, caches and memory bus, and th
 count. What is measured:
 
 - GEMM seconds on a grid of (m, n, k) (`GEMM_GRID`), the fastest of several timed repeats;
-- copy bandwidth (host transfers, offload) and the element-wise bandwidth of a transformer
-  layer's mix (layer norm, GELU, residual add, scale) forward;
+- copy bandwidth (host transfers, offload) and the element-wise rate of a transformer layer's
+  non-GEMM work (norms, bias adds, head copies, GELU, residual adds) forward and backward;
+- the fused attention kernel's rate, forward and backward, at a few head widths;
 - the fixed cost of one autograd op (forward + backward of a tiny tensor): per-layer costs;
 - an AdamW step's cost per parameter and per tensor;
 - alpha-beta of all_reduce, all_gather, reduce_scatter, broadcast, all_to_all and p2p on the
@@ -100,24 +101,83 @@ def measure_gemm(device: torch.device, dtype: torch.dtype, group=None) -> GemmTa
 
 
 def measure_bandwidths(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
-    """(copy bandwidth, element-wise bandwidth) in bytes/s; both count bytes read + written."""
+    """(copy bandwidth, element-wise rate) in bytes/s. The copy counts bytes read + written. The
+    element-wise rate is a transformer layer's non-GEMM work run forward and backward through
+    autograd (`_layer_elementwise`), divided by the bytes the planner counts for it: forward's
+    (`time.elementwise_bytes_per_token`) and twice that for backward. Dividing by the planner's
+    own count makes the rate absorb what a byte count leaves out (GELU's arithmetic on a CPU,
+    gradient accumulation, bias-gradient sums)."""
     x = torch.randn(4 << 20, device=device, dtype=dtype)
     y = torch.empty_like(x)
-    e = x.element_size()
-    copy = 2 * x.numel() * e / _timed(lambda: y.copy_(x), device)
-    h = 256
-    act = torch.randn(x.numel() // (4 * h), h, device=device, dtype=dtype)
-    wide = torch.randn(act.shape[0], 4 * h, device=device, dtype=dtype)
-    weight = torch.ones(h, device=device, dtype=dtype)
+    copy = 2 * x.numel() * x.element_size() / _timed(lambda: y.copy_(x), device)
+    return copy, _elementwise_rate(device, dtype)
 
-    def mix():
-        torch.nn.functional.layer_norm(act, (h,), weight, weight)
-        torch.nn.functional.gelu(wide)
-        torch.add(act, act)
-        torch.mul(act, 0.5)
 
-    moved = e * (2 * act.numel() + 2 * wide.numel() + 3 * act.numel() + 2 * act.numel())
-    return copy, moved / _timed(mix, device)
+ELEMENTWISE_SHAPE = (8, 128, 256, 4)
+"""(micro-batch, sequence, d_model, heads) of the layer whose element-wise work is timed."""
+
+
+def _elementwise_rate(device: torch.device, dtype: torch.dtype) -> float:
+    from trident.planner.layout import Layout, Workload
+    from trident.planner.presets import ModelSpec
+    from trident.planner.time import elementwise_bytes_per_token
+
+    b, s, h, a = ELEMENTWISE_SHAPE
+    step = _layer_elementwise(b, s, h, a, device, dtype)
+    spec = ModelSpec("calibration", 1, h, a, 256, s)
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    per_token = elementwise_bytes_per_token(spec, s, Layout(micro_batch=b),
+                                            Workload(seq_len=s, global_batch=b, precision=precision))
+    return 3 * b * s * per_token / _timed(step, device)
+
+
+def _layer_elementwise(b: int, s: int, h: int, a: int, device: torch.device, dtype: torch.dtype):
+    """One pre-norm GPT layer with its GEMMs taken out, forward and backward: the inputs stand
+    for the GEMM outputs (qkv, attention, MLP in and out), each with its bias; the work left is
+    the norms, bias adds, head split and merge copies, the activation, the residual adds and
+    the gradients of all of them."""
+    def leaf(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    x, qkv, attn, up, down = leaf(b, s, h), leaf(b, s, 3 * h), leaf(b, s, h), leaf(b, s, 4 * h), leaf(b, s, h)
+    norm_w, norm_b, qkv_b, attn_b, up_b, down_b = leaf(h), leaf(h), leaf(3 * h), leaf(h), leaf(4 * h), leaf(h)
+    d = h // a
+    f = torch.nn.functional
+
+    def step():
+        n1 = f.layer_norm(x, (h,), norm_w, norm_b)
+        heads = (qkv + qkv_b + n1.repeat(1, 1, 3)).view(b, s, 3, a, d).permute(2, 0, 3, 1, 4).contiguous()
+        merged = heads[0].transpose(1, 2).reshape(b, s, h)
+        r1 = x + (attn + merged) + attn_b
+        n2 = f.layer_norm(r1, (h,), norm_w, norm_b)
+        act = f.gelu(up + up_b)
+        out = r1 + (down + down_b) + n2 + act[..., :h]
+        out.sum().backward()
+
+    return step
+
+
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+ATTENTION_SHAPE = (32, 128)
+"""(batch x heads, sequence) of the causal attention timed at each head width."""
+
+
+def measure_attention(device: torch.device, dtype: torch.dtype) -> tuple[tuple[int, float], ...]:
+    """(head width, FLOP/s) of the fused causal attention kernel (`scaled_dot_product_attention`)
+    forward and backward. FLOPs are counted as the planner counts them: the two GEMMs of the
+    forward over the whole sequence (the causal mask not halving them), three times over for
+    forward and backward. On a CPU the kernel runs at about half the GEMM rate, and narrow heads
+    far slower; on a GPU near the GEMM rate."""
+    bh, s = ATTENTION_SHAPE
+    rates = []
+    for d in ATTENTION_HEAD_DIMS:
+        q, k, v = (torch.randn(1, bh, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        def step():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        rates.append((d, 3 * 4.0 * bh * s * s * d / _timed(step, device)))
+    return tuple(rates)
 
 
 def measure_op_seconds(device: torch.device) -> float:
@@ -184,12 +244,13 @@ def _collective_call(op: str, size: int, device: torch.device, group, rank: int,
     return ping
 
 
-IN_STEP_OPS = ("all_reduce",)
+IN_STEP_OPS = ("all_reduce", "p2p")
 """Collectives timed one at a time after compute on CPU ranks: the all-reduce, which tensor
-parallelism issues between layers, each after its own compute. ZeRO-3's gathers and
+parallelism issues between layers, each after its own compute, and the pipeline's sends and
+receives, each after a micro-batch's compute on one stage. ZeRO-3's gathers and
 reduce-scatters run back to back on gloo's thread (prefetch, buckets), as the tight loop
 times them."""
-IN_STEP_SAMPLES = 9
+IN_STEP_SAMPLES = 15
 SCRATCH_BYTES = 16 << 20
 """Bytes of host memory touched before each timed collective: more than the caches hold."""
 
@@ -197,11 +258,14 @@ SCRATCH_BYTES = 16 << 20
 def _timed_in_step(fn, device: torch.device) -> float:
     """Seconds of one collective as a training step meets it: after compute that has pushed
     its buffers out of the caches and let the communication threads go idle, one call at a
-    time, the median of IN_STEP_SAMPLES. A tight loop of back-to-back calls (`_timed`) keeps
+    time, the mean of IN_STEP_SAMPLES. A tight loop of back-to-back calls (`_timed`) keeps
     buffers hot and threads spinning, and on gloo over a CPU it ran 5-6x faster than the same
     all-reduce between the layers of a tensor-parallel step. Every rank runs the same compute
     before each call, as the layers of a step do, so the time includes the small wait for the
-    slower rank that every collective of a step pays too."""
+    slower rank that every collective of a step pays too. That wait is bimodal (the ranks
+    arrive together, or one is a compute burst behind): the median flips between the modes
+    from one calibration to the next (0.5 or 3.3 ms for the same 4 KB all-reduce here), the
+    mean over many calls is what a step of many collectives pays, and is stable."""
     scratch = torch.zeros(SCRATCH_BYTES // 4, device=device)
     a = torch.randn(512, 512, device=device)
     fn()
@@ -214,7 +278,7 @@ def _timed_in_step(fn, device: torch.device) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.fmean(times)
 
 
 def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
@@ -256,13 +320,15 @@ def measure_rank(device: str | torch.device = "cpu", group=None, threads: int | 
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     gemm = measure_gemm(device, dtype, group if world > 1 else None)
     copy, elementwise = measure_bandwidths(device, dtype)
+    attention = measure_attention(device, dtype)
     op = measure_op_seconds(device)
     per_param, per_tensor = measure_optimizer(device)
     fits = measure_collectives(device, group, rank, world) if world > 1 else {}
     return Calibration(device.type, dist.get_backend(group) if world > 1 else "none", world,
                        torch.get_num_threads(), str(dtype).removeprefix("torch."), gemm, copy, elementwise, op,
                        per_param, per_tensor, fits, _memory_bytes(device), platform.node(),
-                       datetime.now(timezone.utc).isoformat(timespec="seconds"), torch.__version__).to_json()
+                       datetime.now(timezone.utc).isoformat(timespec="seconds"), torch.__version__,
+                       attention).to_json()
 
 
 def _memory_bytes(device: torch.device) -> int:

@@ -3,6 +3,7 @@
     {"version": 1, "device": "cpu", "backend": "gloo", "world_size": 2, "threads": 1,
      "dtype": "float32", "gemm": {"ms": [...], "ns": [...], "ks": [...], "points": [[m, n, k, s], ...]},
      "memory_bandwidth": B/s, "elementwise_bandwidth": B/s, "op_seconds": s,
+     "attention": [[head width, FLOP/s], ...],
      "optimizer": {"seconds_per_param": s, "seconds_per_tensor": s},
      "collectives": {"all_reduce": {"alpha": s, "beta": s/B, "world": 2}, ..., "p2p": {...}},
      "memory_bytes": B, "host": "...", "created": "...", "torch": "..."}
@@ -27,7 +28,8 @@ from pathlib import Path
 from trident.planner.gemm import GemmTable
 from trident.planner.presets import Cluster, GPUSpec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the element-wise rate counts forward and backward, and fused attention has rates of its own."""
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
 
 
@@ -80,16 +82,18 @@ class Calibration:
     host: str = ""
     created: str = ""
     torch: str = ""
+    attention_rates: tuple[tuple[int, float], ...] = ()
 
     def collective(self, op: str) -> CollectiveFit | None:
         return self.collectives.get(op)
 
     def to_json(self) -> dict:
-        data = {k: v for k, v in asdict(self).items() if k not in ("gemm", "collectives")}
+        data = {k: v for k, v in asdict(self).items() if k not in ("gemm", "collectives", "attention_rates")}
         opt = {"seconds_per_param": data.pop("optimizer_seconds_per_param"),
                "seconds_per_tensor": data.pop("optimizer_seconds_per_tensor")}
         return {"version": FORMAT_VERSION, **data, "optimizer": opt, "gemm": self.gemm.to_json(),
-                "collectives": {op: asdict(fit) for op, fit in self.collectives.items()}}
+                "collectives": {op: asdict(fit) for op, fit in self.collectives.items()},
+                "attention": [list(p) for p in self.attention_rates]}
 
     @classmethod
     def from_json(cls, data: dict, source: str = "cluster file") -> Calibration:
@@ -104,18 +108,22 @@ class Calibration:
                        float(data["elementwise_bandwidth"]), float(data["op_seconds"]),
                        float(data["optimizer"]["seconds_per_param"]), float(data["optimizer"]["seconds_per_tensor"]),
                        fits, int(data.get("memory_bytes", 0)), str(data.get("host", "")),
-                       str(data.get("created", "")), str(data.get("torch", "")))
+                       str(data.get("created", "")), str(data.get("torch", "")),
+                       tuple((int(d), float(r)) for d, r in data.get("attention", [])))
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{source}: not a trident cluster file ({type(err).__name__}: {err}); calibrate "
                              f"again with `trident plan --calibrate`") from None
 
     def describe(self) -> str:
         ar = self.collectives.get("all_reduce")
+        rates = dict(self.attention_rates)
+        attention = (f", fused attention {min(rates.values()) / 1e9:.0f}-{max(rates.values()) / 1e9:.0f} GFLOP/s "
+                     f"(head width {min(rates)}-{max(rates)})" if rates else "")
         comm = (f"; {self.backend} all_reduce alpha {ar.alpha * 1e6:.0f} us, {1 / ar.beta / 1e9:.2f} GB/s on "
                 f"{ar.world} ranks" if ar else "")
         return (f"{self.device} ({self.host or 'this machine'}, {self.threads} thread(s), {self.dtype}): GEMM up to "
                 f"{self.gemm.peak / 1e9:.1f} GFLOP/s, copy {self.memory_bandwidth / 1e9:.1f} GB/s, element-wise "
-                f"{self.elementwise_bandwidth / 1e9:.1f} GB/s, {self.op_seconds * 1e6:.1f} us per op{comm}")
+                f"{self.elementwise_bandwidth / 1e9:.1f} GB/s, {self.op_seconds * 1e6:.1f} us per op{attention}{comm}")
 
 
 def default_cluster_path() -> Path:
@@ -144,8 +152,8 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
 
 
 def calibrated_gpu(cal: Calibration) -> GPUSpec:
-    """This device as a GPUSpec: measured GEMM table, element-wise bandwidth (efficiency 1: it is
-    already what the kernels sustain), copies for host transfers, the per-op cost; links from the
+    """This device as a GPUSpec: measured GEMM table and fused-attention rates, element-wise
+    bandwidth (efficiency 1: it is already what the kernels sustain), copies for host transfers, the per-op cost; links from the
     all-reduce fit (the collectives themselves are priced from their own fits)."""
     ar = cal.collectives.get("all_reduce") or CollectiveFit(50e-6, 1 / 1e9, 2)
     link_bw = 1.0 / ar.beta
@@ -153,7 +161,7 @@ def calibrated_gpu(cal: Calibration) -> GPUSpec:
     return GPUSpec(f"calibrated-{cal.device}", cal.gemm.peak, memory, cal.elementwise_bandwidth, link_bw, link_bw,
                    cal.memory_bandwidth, gpus_per_node=max(1, cal.world_size), intra_node_latency=ar.alpha,
                    inter_node_latency=ar.alpha, gemm_efficiency=1.0, memory_efficiency=1.0,
-                   kernel_seconds=cal.op_seconds, gemm_table=cal.gemm)
+                   kernel_seconds=cal.op_seconds, gemm_table=cal.gemm, attention_rates=cal.attention_rates)
 
 
 def calibrated_cluster(cal: Calibration, num_gpus: int | None = None, gpus_per_node: int | None = None) -> Cluster:

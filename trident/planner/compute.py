@@ -14,14 +14,16 @@ logits GEMM [T, h] x [h, V / t]. Element-wise traffic (`time.elementwise_bytes_p
 goes at the sustained memory bandwidth (backward: twice the forward's), and every layer pays
 a fixed cost per kernel: `KERNELS_FORWARD` + `KERNELS_BACKWARD` kernels at
 `GPUSpec.kernel_seconds` (launch latency on a GPU, an autograd op's dispatch on a CPU) -- what
-makes small layers slower than their FLOPs say.
+makes small layers slower than their FLOPs say. A calibrated device prices fused attention
+at the rate measured for its kernel (`GPUSpec.attention_rates`, by head width): on a CPU it
+runs at about half the GEMM rate, and much slower still for narrow heads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trident.planner.gemm import gemm_seconds
+from trident.planner.gemm import attention_rate, gemm_seconds
 from trident.planner.layout import Layout, Workload, attention_kind, local_seq_len, stage_layers
 from trident.planner.presets import Cluster, ModelSpec
 
@@ -74,9 +76,16 @@ def micro_batch_compute(model: ModelSpec, layout: Layout, workload: Workload, cl
     layers = stage_layers(model, layout.pp)
     fwd_layer = bwd_layer = 0.0
     flash = attention_kind(layout, workload) == "flash"
-    for i, (m, n, k, count) in enumerate(layer_gemms(model, layout, workload)):
+    gemms = layer_gemms(model, layout, workload)
+    for i, (m, n, k, count) in enumerate(gemms):
+        if flash and i >= 4 and g.attention_rates:
+            continue  # priced below at the fused kernel's measured rate
         f, b = _fwd_bwd(curve, m, n, k, count, 0 if flash and i >= 4 else e)  # flash keeps scores on chip
         fwd_layer, bwd_layer = fwd_layer + f, bwd_layer + b
+    if flash and g.attention_rates:
+        flops = sum(2.0 * m * n * k * count for m, n, k, count in gemms[4:])
+        rate = attention_rate(g.attention_rates, model.d_model / model.n_head)
+        fwd_layer, bwd_layer = fwd_layer + flops / rate, bwd_layer + 2 * flops / rate
     ew = elementwise_bytes / (g.hbm_bandwidth * g.memory_efficiency)
     fwd_layer += ew + KERNELS_FORWARD * g.kernel_seconds
     bwd_layer += 2 * ew + KERNELS_BACKWARD * g.kernel_seconds

@@ -127,3 +127,11 @@ def gemm_seconds(curve, m: float, n: float, k: float, dtype_bytes: int = 2, coun
         return 0.0
     whole = max(1, int(count))
     return count / whole * curve.seconds(max(1, round(m)), max(1, round(n)), max(1, round(k)), dtype_bytes, whole)
+
+
+def attention_rate(rates: tuple[tuple[int, float], ...], head_dim: float) -> float:
+    """FLOP/s of a fused attention kernel at `head_dim`, from measured (head width, FLOP/s)
+    pairs: linear in log(rate) over log(head width) between them, clamped at the ends."""
+    widths = tuple(d for d, _ in rates)
+    log_rate = dict((d, math.log(r)) for d, r in rates)
+    return math.exp(sum(w * log_rate[d] for d, w in _bracket(widths, head_dim)))

@@ -199,7 +199,8 @@ class GPUSpec:
     GEMMs run slower by `gemm_curve()`: the tile and wave quantization of `sms` multiprocessors
     and the memory roofline (`trident.planner.gemm`), or the rates `gemm_table` measured on
     this machine (`trident plan --calibrate`). `kernel_seconds` is the fixed cost of one
-    kernel (launch and tail; on a CPU: one autograd op's dispatch).
+    kernel (launch and tail; on a CPU: one autograd op's dispatch). `attention_rates` are a
+    calibrated device's fused-attention rates.
     """
 
     name: str
@@ -217,6 +218,9 @@ class GPUSpec:
     sms: int = 108
     kernel_seconds: float = 4e-6
     gemm_table: GemmTable | None = None
+    attention_rates: tuple[tuple[int, float], ...] = ()
+    """(head width, FLOP/s) of the fused attention kernel, forward and backward, as measured here;
+    empty: its GEMMs go at the GEMM curve's rate (a GPU's flash attention runs near it)."""
 
     def gemm_curve(self) -> GemmTable | GemmCurve:
         """Seconds of a GEMM by shape: the measured table when there is one, else the published curve."""
