@@ -5,7 +5,8 @@ on the demo GPT (4.24M parameters), with `compile: {enabled: true}` or without. 
 repeat) runs in fresh processes (one per rank, one thread each), the systems interleaved repeat
 by repeat in rotating order; the warm-up steps include the compilation (inductor's FX graph
 cache on disk makes every run after the first reuse its kernels). Prints the median step time
-of each system, the ratio (target: compiled >= 1.2x eager's speed) and the graph breaks per block.
+of each system, the ratio (target: compiled >= 1.2x eager's speed), the graph breaks per block, and
+the most compiling could give here (`gemm_bound`: 1 / the share of an eager step in GEMMs).
 
     python bench/compile_vs_eager.py [--repeats 5] [--steps 10] [--world 1]
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -75,6 +77,50 @@ def run(system: str, steps: int = 10, warmup: int = WARMUP, world: int = 1) -> d
             "graph_breaks": slowest["graph_breaks"]}
 
 
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def gemm_bound(steps: int = 3) -> dict:
+    """What compiling can gain at most on this CPU: the share of an eager step (demo GPT, demo.json's
+    micro-batch, one thread, AdamW, clipping) spent in GEMMs, by torch.profiler's self time, and
+    1 / that share -- the speed-up if compiling made everything else free. Inductor calls the
+    same oneDNN / MKL kernels for a training step's matrix multiplies as eager does, so it can
+    shorten only the rest; the GEMMs' own rate is printed beside the share."""
+    from torch.profiler import profile
+
+    torch.set_num_threads(1)
+    micro = json.loads(resources.files("trident.configs").joinpath("demo.json").read_text())["train_micro_batch_size_per_gpu"]
+    model = build_gpt(DEMO_GPT)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    batch = next(token_batches(0, DEMO_GPT, micro))
+
+    def step() -> None:
+        out = model(batch[:, :-1], batch[:, 1:])
+        (out if torch.is_tensor(out) else out[0]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    with profile(record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+    events = prof.key_averages(group_by_input_shape=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    gemm = [e for e in events if e.key in GEMM_OPS]
+    gemm_us = sum(e.self_cpu_time_total for e in gemm)
+    flops = 0.0
+    for e in gemm:  # mm [m, k] x [k, n]; addmm (bias, [m, k], [k, n]); bmm [b, m, k] x [b, k, n]
+        shapes = [sh for sh in e.input_shapes if sh]
+        if e.key in ("aten::addmm", "aten::baddbmm"):
+            shapes = shapes[1:]
+        a, b = shapes[0], shapes[1]
+        flops += e.count * 2.0 * math.prod(a) * b[-1]
+    share = gemm_us / total
+    return {"gemm_share": share, "bound": 1.0 / share, "gemm_gflops": flops / (gemm_us * 1e-6) / 1e9}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -95,6 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  eager    {eager * 1e3:8.1f} ms/step")
     print(f"  compiled {compiled * 1e3:8.1f} ms/step   speed-up {eager / compiled:.2f}x (target >= 1.2x)")
     print(f"  graph breaks per block: {breaks}")
+    bound = gemm_bound()
+    print(f"  GEMMs are {bound['gemm_share']:.0%} of an eager step ({bound['gemm_gflops']:.0f} GFLOP/s on one thread): "
+          f"compiling the rest away entirely would give at most {bound['bound']:.2f}x")
 
 
 if __name__ == "__main__":

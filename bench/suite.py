@@ -159,9 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / ("suite-quick" if args.quick else "suite")
     table = suite_report.markdown(rows, text)
+    bound = None
+    if "compiled" in names and "compiled" not in failures:
+        import compile_vs_eager
+        bound = compile_vs_eager.gemm_bound()
+        table += (f"\nCompile's ceiling here: GEMMs are {bound['gemm_share']:.0%} of an eager demo-GPT step "
+                  f"(torch.profiler self time, {bound['gemm_gflops']:.0f} GFLOP/s on one thread); inductor calls the same "
+                  f"GEMM kernels, so compiling everything else away would give at most {bound['bound']:.2f}x "
+                  f"(`bench/compile_vs_eager.py`'s `gemm_bound`).\n")
     stem.with_suffix(".md").write_text(table)
     meta = {"command": sys.argv, "repeats": args.repeats, "warmup": args.warmup, "steps": args.steps,
-            "elapsed_s": round(elapsed, 1), "quick": args.quick, "systems": {n: repr(SYSTEMS[n]) for n in names}}
+            "elapsed_s": round(elapsed, 1), "quick": args.quick, "compile_bound": bound, "systems": {n: repr(SYSTEMS[n]) for n in names}}
     suite_report.write_json(stem.with_suffix(".json"), rows, meta, samples, failures)
     suite_report.plot(rows, stem.with_suffix(".png"), "trident / peer step time (2 ranks, gloo, CPU)")
     print("\n" + table + f"\nwrote {stem}.md, .json, .png ({elapsed / 60:.1f} min)")
