@@ -87,6 +87,26 @@ def test_calibrated_collectives_scale_with_the_ring():
     assert collective_time("all_gather", 1e6, GroupSpan(2, 2, 1), cluster) == pytest.approx(100e-6 + 1e-3)
 
 
+def test_zero12_once_a_step_collectives_use_the_in_step_fits():
+    """A CPU calibration times reduce-scatter and all-gather also one call at a time after compute
+    (`<op>.in_step`): ZeRO-1/2's one of each per step is priced by those, ZeRO-3's per-module
+    gathers by the back-to-back fits; without in-step fits both use the back-to-back ones."""
+    slow = CollectiveFit(3e-3, 1 / 0.5e9, 2)
+    cal = _calibration()
+    cal = _calibration(collectives={**cal.collectives, "reduce_scatter.in_step": slow, "all_gather.in_step": slow})
+    span = GroupSpan(2, 2, 1)
+    assert collective_time("all_gather", 1e6, span, calibrated_cluster(cal), in_step=True) == pytest.approx(
+        slow.seconds("all_gather", 1e6, 2))
+    assert collective_time("all_gather", 1e6, span, calibrated_cluster(_calibration()), in_step=True) == \
+        pytest.approx(100e-6 + 1e-3)
+    model, w = ModelSpec("tiny", 2, 128, 4, 256, 64), Workload(64, 8, "fp32", "adamw")
+    for stage, slower in ((1, True), (2, True), (3, False)):
+        lay = Layout(dp=2, micro_batch=4, zero_stage=stage)
+        fast = estimate(model, lay, calibrated_cluster(_calibration()), w).time.dp_comm_exposed
+        measured = estimate(model, lay, calibrated_cluster(cal), w).time.dp_comm_exposed
+        assert (measured > fast) is slower, stage
+
+
 def test_calibrated_cluster_prices_compute_with_the_measured_table():
     model = ModelSpec("tiny", 2, 128, 4, 256, 64)
     cal = _calibration()
@@ -219,3 +239,13 @@ def test_hpz_secondary_partition_costs_memory():
     plain = estimate(model, layout, cluster, Workload(2048, 64)).memory.comm_buffers
     more = estimate(model, layout, cluster, Workload(2048, 64, compression=hpz)).memory.comm_buffers
     assert more - plain == pytest.approx(model.num_parameters() * 2 / 8)
+
+
+def test_alpha_beta_fit_is_exact_on_a_line_and_lets_small_messages_set_the_latency():
+    from trident.planner.calibrate import COMM_SIZES, fit_alpha_beta
+    alpha, beta = fit_alpha_beta(COMM_SIZES, [2e-3 + s / 1e9 for s in COMM_SIZES])
+    assert alpha == pytest.approx(2e-3) and beta == pytest.approx(1e-9)
+    # 20% noise on the largest message: the latency moves by 2.5% (plain least squares: 8.7%)
+    noisy = [2e-3 + s / 1e9 for s in COMM_SIZES[:-1]] + [1.2 * (2e-3 + COMM_SIZES[-1] / 1e9)]
+    alpha, _ = fit_alpha_beta(COMM_SIZES, noisy)
+    assert alpha == pytest.approx(2e-3, rel=0.03)

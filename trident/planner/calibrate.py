@@ -246,10 +246,14 @@ def _collective_call(op: str, size: int, device: torch.device, group, rank: int,
 
 IN_STEP_OPS = ("all_reduce", "p2p")
 """Collectives timed one at a time after compute on CPU ranks: the all-reduce, which tensor
-parallelism issues between layers, each after its own compute, and the pipeline's sends and
-receives, each after a micro-batch's compute on one stage. ZeRO-3's gathers and
-reduce-scatters run back to back on gloo's thread (prefetch, buckets), as the tight loop
-times them."""
+parallelism issues between layers and stage 0 once per step, each after its own compute, and
+the pipeline's sends and receives, each after a micro-batch's compute on one stage. ZeRO-3's
+gathers and reduce-scatters run back to back on gloo's thread (prefetch, buckets), as the
+tight loop times them."""
+IN_STEP_ALSO = ("reduce_scatter", "all_gather")
+"""Timed both ways on CPU ranks: back to back (ZeRO-3's prefetched gathers, its buckets) under
+their own names, and one at a time after compute under `<op>.in_step` (ZeRO-1/2's one
+reduce-scatter and one all-gather per step)."""
 IN_STEP_SAMPLES = 15
 SCRATCH_BYTES = 16 << 20
 """Bytes of host memory touched before each timed collective: more than the caches hold."""
@@ -282,11 +286,16 @@ def _timed_in_step(fn, device: torch.device) -> float:
 
 
 def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
-    """Least squares t = alpha + beta x size, both kept >= 0."""
-    n = len(sizes)
-    mean_s, mean_t = sum(sizes) / n, sum(seconds) / n
-    var = sum((s - mean_s) ** 2 for s in sizes)
-    beta = max(0.0, sum((s - mean_s) * (t - mean_t) for s, t in zip(sizes, seconds)) / var) if var else 0.0
+    """t = alpha + beta x size by least squares on the relative error (weights 1 / t^2), both
+    kept >= 0. Plain least squares is ruled by the largest message and leaves alpha to chance
+    (0 to 375 us for the same gloo all-gather in three calibrations here); weighting each size
+    by its own time lets the small messages, which are all latency, set it."""
+    w = [1.0 / max(t, 1e-12) ** 2 for t in seconds]
+    sw = sum(w)
+    mean_s = sum(wi * s for wi, s in zip(w, sizes)) / sw
+    mean_t = sum(wi * t for wi, t in zip(w, seconds)) / sw
+    var = sum(wi * (s - mean_s) ** 2 for wi, s in zip(w, sizes))
+    beta = max(0.0, sum(wi * (s - mean_s) * (t - mean_t) for wi, s, t in zip(w, sizes, seconds)) / var) if var else 0.0
     alpha = max(0.0, mean_t - beta * mean_s)
     if beta == 0.0:
         beta = 1e-12
@@ -295,19 +304,20 @@ def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
 
 def measure_collectives(device: torch.device, group, rank: int, world: int) -> dict[str, CollectiveFit]:
     fits = {}
-    for op in COLLECTIVES:
+    in_step_also = IN_STEP_ALSO if device.type == "cpu" else ()
+    for op, in_step in [(op, device.type == "cpu" and op in IN_STEP_OPS) for op in COLLECTIVES] + \
+            [(op, True) for op in in_step_also]:
         times = []
         for size in COMM_SIZES:
             call = _collective_call(op, size, device, group, rank, world)
             dist.barrier(group=group)
-            in_step = device.type == "cpu" and op in IN_STEP_OPS
             t = _timed_in_step(call, device) if in_step else _timed(call, device, group=group)
             times.append(t / 2 if op == "p2p" else t)
         try:
             alpha, beta = fit_alpha_beta(COMM_SIZES, times)
         except ZeroDivisionError:
             continue
-        fits[op] = CollectiveFit(alpha, beta, world)
+        fits[f"{op}.in_step" if op in in_step_also and in_step else op] = CollectiveFit(alpha, beta, world)
     return fits
 
 

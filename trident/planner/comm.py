@@ -87,12 +87,14 @@ def _links(cluster: Cluster) -> tuple[Link, Link]:
             Link(g.inter_node_bandwidth * LINK_EFFICIENCY, g.inter_node_latency))
 
 
-def collective_time(op: str, size: float, span: GroupSpan, cluster: Cluster) -> float:
-    """Seconds for one `op` ("all_reduce", "reduce_scatter", "all_gather") of `size` bytes."""
+def collective_time(op: str, size: float, span: GroupSpan, cluster: Cluster, in_step: bool = False) -> float:
+    """Seconds for one `op` ("all_reduce", "reduce_scatter", "all_gather") of `size` bytes.
+    `in_step`: issued alone after compute (ZeRO-1/2's once-a-step collectives), which a CPU
+    calibration times apart from back-to-back calls (`<op>.in_step`)."""
     intra, inter = _links(cluster)
     if span.size <= 1:
         return 0.0
-    fit = _measured(cluster, op)
+    fit = (_measured(cluster, f"{op}.in_step") if in_step else None) or _measured(cluster, op)
     if fit is not None:
         return fit.seconds(op, size, span.size)
     if span.nodes == 1:
@@ -165,7 +167,7 @@ def data_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workload, 
     stage = layout.zero_stage
 
     def t(axis_op: str, what: str, size: float, calls: int, overlapped: bool) -> Traffic:
-        seconds = calls * collective_time(axis_op, size, span, cluster)
+        seconds = calls * collective_time(axis_op, size, span, cluster, in_step=stage in (1, 2))
         return Traffic("dp", axis_op, what, size, calls, seconds, overlapped)
 
     what = "gradients" + (" (compressed)" if c is not None and c.active and grads < trainable * state.gradient else "")
