@@ -51,11 +51,12 @@ def config(kind: str, micro: int, gas: int) -> dict:
             "steps_per_print": 0}
 
 
-def serial_twin(kind: str, global_batch: int, steps: int):
-    """The same optimizer on one process over the whole global batch: losses, norms, weights."""
-    model = make_model()
+def serial_twin(kind: str, global_batch: int, steps: int, model=None, data=None):
+    """The same optimizer on one process over the whole global batch: losses, norms, weights
+    (default: the dp parity GPT and tokens)."""
+    model = make_model() if model is None else model
     opt = CLASSES[kind](model.parameters(), **PARAMS[kind])
-    data = make_tokens(global_batch)
+    data = make_tokens(global_batch) if data is None else data
     losses, norms, coefs = [], [], []
     for step in range(steps):
         batch = data[step * global_batch:(step + 1) * global_batch]
@@ -203,3 +204,116 @@ def test_fp16_overflow_skips_count_out_of_the_warmup_on_every_rank():
             assert (sent < full / 8) == compressed, (steps, applied_before)
             applied_before += 1
     assert_state_close(results[1][2], results[0][2], rtol=0.0)
+
+
+def run_tp(kind: str, micro: int):
+    """dp 2 x tp 2: each tp rank compresses the momentum of its own shards over its dp group."""
+    from trident.tensor_parallel import shard_specs
+    mesh = cached_mesh(tp=2)
+    cfg = config(kind, micro, 1) | {"tensor_parallel": {"size": 2}}
+    engine, _, _, _ = trident.initialize(model=make_model(), config=cfg, mesh=mesh)
+    def step_all_reduce_bytes(first: int, last: int) -> list:
+        out = []
+        for step in range(first, last):
+            before = engine.comms_logger.totals().get("all_reduce")
+            before = before.bus_bytes if before else 0.0
+            out.append(train(engine, mesh, micro, 1, step, step + 1)[0])
+            after = engine.comms_logger.totals()["all_reduce"].bus_bytes
+            out[-1] = (*out[-1], after - before)
+        return out
+
+    warm = step_all_reduce_bytes(0, WARMUP)
+    warm_weights = weights(engine)
+    rest = step_all_reduce_bytes(WARMUP, STEPS)
+    # tp's activation all-reduces are the same every step; a compressed step's all-reduces are
+    # tp's plus the 4-byte finite check, so the dp traffic of any step is what exceeds them
+    tp_bytes = min(s[4] for s in rest)
+    dp_bytes = [s[2] - tp_bytes for s in warm + rest]
+    return [(s[0], s[1], b, s[3]) for s, b in zip(warm + rest, dp_bytes)], warm_weights, weights(engine), \
+        shard_specs(engine.module), mesh.dp_rank, mesh.tp_rank
+
+
+@pytest.mark.parametrize("kind", ["OneBitAdam", "OneBitLamb"])
+def test_tensor_parallel_warmup_equals_twin_and_dp_replicas_stay_equal(kind):
+    """Under tp the norm for clipping is reduced over the tp group in both phases, so warm-up
+    equals the one-process twin (merged shards, clipping active); in the compressed phase every
+    dp replica of a shard takes the same averaged-momentum step, so replicas stay bit-equal,
+    and the bytes drop as on plain dp. (1-bit LAMB's trust ratios are per shard under tp, as in
+    DeepSpeed with Megatron's tp: its warm-up is compared for OneBitAdam only.)"""
+    from trident.tensor_parallel import merge_state_dicts
+    micro = 4
+    losses, _, coefs, ref_weights = serial_twin(kind, micro * 2, WARMUP)
+    assert max(coefs) < 1.0
+    results = run_on_ranks(4, run_tp, kind, micro)
+    by_dp = {}
+    for steps, warm, final, specs, dp_rank, tp_rank in results:
+        by_dp.setdefault(dp_rank, {})[tp_rank] = (steps, warm, final, specs)
+    mean = [sum(by_dp[d][0][0][i][0] for d in by_dp) / 2 for i in range(STEPS)]
+    for d, per_tp in by_dp.items():
+        assert [s[0] for s in per_tp[0][0]] == [s[0] for s in per_tp[1][0]]  # tp ranks agree on the loss
+        if kind == "OneBitAdam":
+            merged = merge_state_dicts([per_tp[t][1] for t in (0, 1)], per_tp[0][3])
+            assert_state_close(merged, ref_weights, rtol=1e-5)
+    if kind == "OneBitAdam":
+        assert_losses_close(mean[:WARMUP], losses, rtol=1e-5)
+    for t in (0, 1):
+        assert_state_close(by_dp[1][t][2], by_dp[0][t][2], rtol=0.0)
+        full = by_dp[0][t][0][0][2]  # a warm-up step's gradient all-reduce, tp's traffic taken out
+        assert full > 0
+        for step in COMPRESSED_STEPS[kind]:
+            assert 0 < by_dp[0][t][0][step - 1][2] <= full / 16, (kind, step)
+
+
+PP_GLOBAL, PP_MICRO = 8, 2
+
+
+def run_pp(kind: str):
+    """pp 2 x dp 2, 1F1B: each stage compresses the momentum of its own layers over its dp group."""
+    from trident.models.gpt import GPTConfig as Cfg
+    from trident.models.gpt_pipe import gpt_pipe, gpt_state_dict, load_gpt_state_dict
+    from tests.parity.test_pp_equivalence import MODEL as PP_MODEL, make_gpt, make_tokens as pp_tokens, pipe_steps
+    mesh = cached_mesh(pp=2)
+    cfg = Cfg(**PP_MODEL)
+    pipe = gpt_pipe(cfg, 2, partition_method="uniform", stage_id=mesh.pp_rank, mesh=mesh)
+    load_gpt_state_dict(pipe, make_gpt().state_dict(), cfg)
+    gas = PP_GLOBAL // (PP_MICRO * mesh.dp_size)
+    conf = config(kind, PP_MICRO, gas) | {"pipeline": {"stages": 2, "schedule": "1f1b",
+                                                       "partition_method": "uniform"}}
+    engine, *_ = trident.initialize(model=pipe, config=conf, mesh=mesh)
+    data = pp_tokens(PP_GLOBAL)
+    sent = []
+
+    def dp_bus_bytes() -> float:  # the stage's sends and receives of activations left out
+        return sum(s.bus_bytes for op, s in engine.comms_logger.totals().items() if op not in ("send", "recv"))
+
+    for step in range(STEPS):
+        before = dp_bus_bytes()
+        losses, _ = pipe_steps(engine, mesh, data[step * PP_GLOBAL:], 1, PP_MICRO, PP_GLOBAL)
+        sent.append((losses[0], dp_bus_bytes() - before))
+        if step == WARMUP - 1:
+            warm = {k: v.detach().clone() for k, v in gpt_state_dict(pipe, cfg).items()}
+    final = {k: v.detach().clone() for k, v in gpt_state_dict(pipe, cfg).items()}
+    return sent, warm, final, mesh.pp_rank, mesh.dp_rank
+
+
+def test_pipeline_warmup_equals_twin_and_dp_replicas_stay_equal():
+    """OneBitAdam under pp 2 x dp 2 (1F1B, 2 micro-batches per rank): warm-up equals the one-
+    process twin (each stage's weights, clipping active, its norm over both stages); afterwards
+    each stage's dp replicas stay bit-equal and the stage's dp bytes drop to 1/16 or less."""
+    from tests.parity.test_pp_equivalence import make_gpt, make_tokens as pp_tokens
+    losses, _, coefs, ref = serial_twin("OneBitAdam", PP_GLOBAL, WARMUP, make_gpt(), pp_tokens(PP_GLOBAL))
+    assert max(coefs) < 1.0
+    results = run_on_ranks(4, run_pp, "OneBitAdam")
+    by = {(r[3], r[4]): r for r in results}
+    last_stage = [by[(1, d)][0] for d in (0, 1)]
+    mean = [sum(s[i][0] for s in last_stage) / 2 for i in range(STEPS)]
+    assert_losses_close(mean[:WARMUP], losses, rtol=1e-5)
+    for stage in (0, 1):
+        assert by[(stage, 0)][1] and all(name in ref for name in by[(stage, 0)][1])
+        assert_state_close(by[(stage, 0)][1], {k: ref[k] for k in by[(stage, 0)][1]}, rtol=1e-5)
+        assert_state_close(by[(stage, 1)][2], by[(stage, 0)][2], rtol=0.0)
+        sent = by[(stage, 0)][0]
+        full = sent[0][1]
+        assert full > 0
+        for step in COMPRESSED_STEPS["OneBitAdam"]:
+            assert 0 < sent[step - 1][1] <= full / 16, (stage, step, sent[step - 1][1], full)
