@@ -181,15 +181,17 @@ def test_ep2_x_tp2_matches_one_process():
     run_case(4, moe_spec(4, 2, NO_DROP, every=2), 2, 4, SGD_CLIP, "sgd", tp=2)
 
 
-def train_pp(spec: dict, micro_batches: int, clip: float, optimizer: str):
+def train_pp(spec: dict, micro_batches: int, clip: float, optimizer: str, recompute: bool = False,
+             schedule: str = "1f1b"):
     """Runs on every rank: the pipelined MoE GPT on 2 stages, one MoE block on each."""
     from trident.models.gpt_pipe import gpt_pipe, gpt_state_dict, load_gpt_state_dict
     mesh = cached_mesh(pp=2)
     cfg = GPTConfig(**MODEL, moe=spec)
-    pipe = gpt_pipe(cfg, 2, partition_method="uniform", stage_id=mesh.pp_rank)
+    pipe = gpt_pipe(cfg, 2, partition_method="uniform", stage_id=mesh.pp_rank,
+                    activation_checkpoint_interval=1 if recompute else 0)
     load_gpt_state_dict(pipe, make_model(spec).state_dict(), cfg)
     config_ = {**config(2, clip, optimizer), "gradient_accumulation_steps": micro_batches,
-               "pipeline": {"stages": 2, "schedule": "1f1b", "partition_method": "uniform"}}
+               "pipeline": {"stages": 2, "schedule": schedule, "partition_method": "uniform"}}
     engine, *_ = trident.initialize(model=pipe, config=config_, mesh=mesh)
     global_batch = 2 * micro_batches
     data = make_tokens(global_batch)
@@ -204,11 +206,50 @@ def train_pp(spec: dict, micro_batches: int, clip: float, optimizer: str):
 
 
 def test_pp2_with_an_moe_block_per_stage_matches_one_process():
-    """Two stages, each holding one MoE block. Without drops and without auxiliary losses (the
-    pipeline does not carry them to the last stage) the micro-batches route as the whole batch."""
+    """Two stages, each holding one MoE block. Without drops and without auxiliary losses (which
+    are not linear in the batch) the micro-batches route and train as the whole batch."""
     spec = {**moe_spec(4, 2, NO_DROP), "aux_loss_coef": 0.0, "z_loss_coef": 0.0}
     ref = serial_reference(tuple(sorted(spec.items())), 8, SGD_CLIP, "sgd")
     results = run_on_ranks(2, train_pp, spec, 4, SGD_CLIP, "sgd")
+    for losses, _, norms, *_ in results:
+        assert_losses_close(losses, ref.losses, rtol=1e-5)
+        assert_norms_close(norms, ref.norms, rtol=1e-6)
+    check_weights(results, ref, WEIGHT_RTOL["sgd"])
+
+
+class MicroBatched(torch.nn.Module):
+    """The serial GPT over a whole global batch as gradient accumulation does it: the mean of
+    each micro-batch's loss (its cross-entropy plus its own MoE auxiliary losses, which are not
+    linear in the batch)."""
+
+    def __init__(self, model: GPT, micro: int) -> None:
+        super().__init__()
+        self.model, self.micro = model, micro
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        losses = [self.model(x[k:k + self.micro], y[k:k + self.micro]) for k in range(0, len(x), self.micro)]
+        return sum(losses[1:], losses[0]) / len(losses)
+
+
+@pytest.mark.parametrize("recompute,schedule", [(False, "1f1b"), (True, "1f1b"), (False, "zb_h1")],
+                         ids=["1f1b", "1f1b-checkpointed", "zb_h1"])
+def test_pp2_carries_each_stage_aux_losses_like_one_process(recompute, schedule):
+    """Two stages, one MoE block each, with load-balancing and z losses: each stage's auxiliary
+    losses join its backward (and the reported loss) as one process's accumulated micro-batch
+    losses do; with activation checkpointing they are attached again in the recomputed forward,
+    and zero-bubble's deferred weight gradients include theirs. SGD + momentum with active
+    clipping, losses and weights to 1e-5."""
+    spec = moe_spec(4, 2, NO_DROP)
+    assert spec["aux_loss_coef"] > 0 and spec["z_loss_coef"] > 0
+    data = make_tokens(8)
+    ref = train_serial(MicroBatched(make_model(spec), 2), [(b[:, :-1], b[:, 1:]) for b in data.split(8)], "sgd",
+                       OPT_LR["sgd"], SGD_CLIP)
+    ref.weights = {k.removeprefix("model."): v for k, v in ref.weights.items()}
+    assert max(ref.clip_coefs) < 1.0
+    without_aux = train_serial(MicroBatched(make_model({**spec, "aux_loss_coef": 0.0, "z_loss_coef": 0.0}), 2),
+                               [(b[:, :-1], b[:, 1:]) for b in data.split(8)], "sgd", OPT_LR["sgd"], SGD_CLIP)
+    assert abs(ref.losses[-1] - without_aux.losses[-1]) > 1e-4  # the aux losses matter here
+    results = run_on_ranks(2, train_pp, spec, 4, SGD_CLIP, "sgd", recompute, schedule)
     for losses, _, norms, *_ in results:
         assert_losses_close(losses, ref.losses, rtol=1e-5)
         assert_norms_close(norms, ref.norms, rtol=1e-6)

@@ -151,13 +151,17 @@ class PipelineEngine(Engine):
     # -- agreement and step ----------------------------------------------------------------
 
     def _agree(self, result: StageResult, what: str) -> float:
-        """One all-reduce over the mesh: did any stage fail, and the mean loss of the batch."""
+        """One all-reduce over the mesh: did any stage fail, and the mean loss of the batch (the
+        last stage's, plus every stage's auxiliary losses: `trident.pipeline.aux_loss`)."""
         mesh = self.mesh
         share = 0.0
+        replicas = mesh.world_size // mesh.pp_size
         if self.is_last_stage() and result.losses:
             # every last-stage rank (dp x cp x ep x tp of them) adds its share; cp and tp ranks
             # report the same batch's loss, dp and ep ranks their own batches'
-            share = sum(result.losses) / len(result.losses) / (mesh.world_size // mesh.pp_size)
+            share = sum(result.losses) / len(result.losses) / replicas
+        if result.aux_losses:  # every stage's auxiliary losses (MoE), per micro-batch, join the loss
+            share += sum(result.aux_losses) / self.micro_batches / replicas
         status = torch.tensor([1.0 if result.error else 0.0, share], dtype=torch.float64,
                               device=self.executor.device)
         collectives.all_reduce(status, group=mesh.mesh_group)

@@ -30,6 +30,7 @@ from torch import nn
 
 from trident.models.gpt import GPT, Block, GPTConfig
 from trident.parallel.rng import RNGTracker
+from trident.pipeline.aux_loss import add_aux_loss
 from trident.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from trident.tensor_parallel import (SequenceParallelDropout, VocabParallelEmbedding, mark_sequence_parallel,
                                      shard_specs, vocab_parallel_cross_entropy)
@@ -104,15 +105,18 @@ class PositionEmbedding(nn.Module):
 
 
 class PipeBlock(Block):
-    """GPT's transformer block `layer`, initialised as GPT initialises it."""
+    """GPT's transformer block `layer`, initialised as GPT initialises it. A mixture-of-experts
+    block hands its auxiliary loss to `trident.pipeline.aux_loss`, which adds it to the training
+    loss from whichever stage the block is on."""
 
     def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
-        if cfg.moe and cfg.moe.is_moe_layer(layer) and (cfg.moe.aux_loss_coef or cfg.moe.z_loss_coef):
-            raise ValueError("gpt_pipe: MoE auxiliary losses are not carried through the pipeline to the last "
-                             "stage's loss; set model.moe.aux_loss_coef and z_loss_coef to 0 under pipeline parallelism")
         super().__init__(cfg, layer)
         self.dropout = cfg.dropout
         _init_like_gpt(self, cfg)
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        out = super().forward(x, doc_ids)
+        return out if self.aux_loss is None else add_aux_loss(out, self.aux_loss)
 
     def parallelize_context(self, cp) -> None:
         """Attention over the whole sequence from this cp rank's shard (see GPT.parallelize_context)."""

@@ -4,11 +4,13 @@
     gpipe, one_f_one_b, interleaved_1f1b, zb_h1   schedules as pure functions (schedules.py)
     simulate, check_schedule, Costs               timelines, bubbles, well-formedness (simulate.py)
     StageExecutor                                 runs a stage's instructions (executor.py)
+    add_aux_loss                                  a layer's auxiliary loss (MoE) into the loss (aux_loss.py)
     from_hf, hf_state_dict                        a transformers decoder model split into stages (hf.py)
 
 The engine that drives them is `trident.engine.pipeline_engine.PipelineEngine`.
 """
 
+from trident.pipeline.aux_loss import add_aux_loss
 from trident.pipeline.executor import PipelineError, StageExecutor
 from trident.pipeline.instructions import (
     Backward,
@@ -44,7 +46,7 @@ __all__ = [
     "Backward", "BackwardInput", "BackwardWeight", "Costs", "Forward", "HFPipelineModule", "Instruction", "LayerSpec",
     "LoadMicroBatch", "OptimizerStep", "PipelineError", "PipelineModule", "RecvActivation", "RecvGrad",
     "ReduceGrads", "ReduceTiedGrads", "SCHEDULES", "ScheduleError", "SendActivation", "SendGrad",
-    "StageExecutor", "TiedLayerSpec", "Timeline", "build_all", "build_schedule", "check_schedule",
+    "StageExecutor", "TiedLayerSpec", "Timeline", "add_aux_loss", "build_all", "build_schedule", "check_schedule",
     "forward_only", "from_hf", "gpipe", "hf_shard_specs", "hf_state_dict", "interleaved_1f1b",
     "load_hf_state_dict", "one_f_one_b", "partition_balanced", "partition_uniform",
     "simulate", "zb_h1",

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from trident.comm import p2p
 from trident.comm.collectives import Handle
+from trident.pipeline import aux_loss
 from trident.pipeline.instructions import (
     COMM,
     RECVS,
@@ -80,6 +81,7 @@ class StageResult:
     """What one stage's run produced: last-stage losses, or the error it raised."""
 
     losses: list[float] = field(default_factory=list)
+    aux_losses: list[float] = field(default_factory=list)  # this stage's auxiliary losses, per micro-batch
     error: str | None = None
     failed_at: float | None = None
     exception: BaseException | None = None
@@ -124,7 +126,8 @@ class StageExecutor:
             self.trace, self.trace_start = [], time.perf_counter()
         result = StageResult()
         broken = False
-        with torch.enable_grad() if train else torch.no_grad():
+        with torch.enable_grad() if train else torch.no_grad(), \
+                aux_loss.training_run(loss_scale) if train else contextlib.nullcontext():
             for item in _batches(program):
                 if result.error is None:
                     t0 = time.perf_counter()
@@ -144,6 +147,7 @@ class StageExecutor:
             for work in self._inflight:
                 work.wait()
         result.losses = [float(loss) for loss in self._losses] if result.error is None else []
+        result.aux_losses = [float(v) for v in self._aux.values()] if result.error is None else []
         self._begin((), None, 1.0, train)  # drop the step's tensors
         return result
 
@@ -159,6 +163,7 @@ class StageExecutor:
         self._grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._stores: dict[tuple[int, int], WeightGradStore] = {}
         self._losses: list[torch.Tensor] = []
+        self._aux: dict[int, torch.Tensor] = {}  # micro-batch -> its auxiliary losses on this stage
         self._inflight: list[Handle] = []  # sends, waited at the end of the run
         self._keep: list[Any] = []  # tensors being sent
         self._posted: set[Instruction] = set()
@@ -215,8 +220,10 @@ class StageExecutor:
             x = received[0] if len(received) == 1 else received
         store = WeightGradStore() if self._split and self._train else None
         defer = store is not None and self.module.activation_checkpoint_interval == 0
-        with defer_weight_grads(store) if defer else contextlib.nullcontext():
+        with defer_weight_grads(store) if defer else contextlib.nullcontext(), aux_loss.collecting() as aux:
             out = self.module.run_chunk(chunk, x)
+        if aux:
+            self._aux[micro] = sum(aux, self._aux.get(micro, torch.zeros(())))
         if store is not None:
             self._stores[(micro, chunk)] = store
         if self.module.is_last(chunk):
