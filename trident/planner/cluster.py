@@ -9,7 +9,9 @@
      "memory_bytes": B, "host": "...", "created": "...", "torch": "..."}
 
 Each collective is fitted as t = alpha + beta x S on the `world` ranks it was measured on (S the
-op's full buffer, as `trident.planner.comm` counts it). For another group size n the ring's
+op's full buffer, as `trident.planner.comm` counts it). On a CPU, "reduce_scatter.in_step" and
+"all_gather.in_step" are the same ops timed one call at a time after compute, as ZeRO-1/2 issue
+them once a step (`calibrate.IN_STEP_ALSO`). For another group size n the ring's
 step count and volume scale it: latency x steps(n) / steps(world), bandwidth x volume(n) /
 volume(world). `calibrated_cluster` turns the file into a `Cluster` whose "GPU" is this device:
 every prediction (`estimate`, `search`, `trident plan --cluster`) then uses the measured GEMM
