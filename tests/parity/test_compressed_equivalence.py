@@ -150,9 +150,9 @@ def run_resume(kind: str, micro: int, gas: int, folder: str):
     return [s[0] for s in first], first_weights, [s[0] for s in second], weights(other), at_save
 
 
-@pytest.mark.parametrize("kind,world", [("OneBitAdam", 2), ("ZeroOneAdam", 2), ("OneBitLamb", 2),
-                                        ("ZeroOneAdam", 4)])
-def test_resume_in_compressed_phase_continues_identically(kind, world, tmp_path):
+@pytest.mark.parametrize("kind", list(CLASSES))
+@pytest.mark.parametrize("world", [2, 4])
+def test_resume_in_compressed_phase_continues_identically(world, kind, tmp_path):
     results = run_on_ranks(world, run_resume, kind, 2, 1, str(tmp_path))
     for losses, w, resumed_losses, resumed_w, _ in results:
         assert resumed_losses == losses
