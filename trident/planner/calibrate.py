@@ -303,10 +303,13 @@ def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
 
 
 def measure_collectives(device: torch.device, group, rank: int, world: int) -> dict[str, CollectiveFit]:
+    """Every collective's fit, keyed as `CollectiveFit`s are looked up: the op's name, and on a CPU
+    also `<op>.in_step` for the ops of IN_STEP_ALSO."""
+    cpu = device.type == "cpu"
+    plan = [(op, op, cpu and op in IN_STEP_OPS) for op in COLLECTIVES]
+    plan += [(f"{op}.in_step", op, True) for op in (IN_STEP_ALSO if cpu else ())]
     fits = {}
-    in_step_also = IN_STEP_ALSO if device.type == "cpu" else ()
-    for op, in_step in [(op, device.type == "cpu" and op in IN_STEP_OPS) for op in COLLECTIVES] + \
-            [(op, True) for op in in_step_also]:
+    for key, op, in_step in plan:
         times = []
         for size in COMM_SIZES:
             call = _collective_call(op, size, device, group, rank, world)
@@ -317,7 +320,7 @@ def measure_collectives(device: torch.device, group, rank: int, world: int) -> d
             alpha, beta = fit_alpha_beta(COMM_SIZES, times)
         except ZeroDivisionError:
             continue
-        fits[f"{op}.in_step" if op in in_step_also and in_step else op] = CollectiveFit(alpha, beta, world)
+        fits[key] = CollectiveFit(alpha, beta, world)
     return fits
 
 

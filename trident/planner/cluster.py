@@ -1,6 +1,6 @@
 """A cluster file: what `trident plan --calibrate` measured on this machine, as JSON.
 
-    {"version": 1, "device": "cpu", "backend": "gloo", "world_size": 2, "threads": 1,
+    {"version": 2, "device": "cpu", "backend": "gloo", "world_size": 2, "threads": 1,
      "dtype": "float32", "gemm": {"ms": [...], "ns": [...], "ks": [...], "points": [[m, n, k, s], ...]},
      "memory_bandwidth": B/s, "elementwise_bandwidth": B/s, "op_seconds": s,
      "attention": [[head width, FLOP/s], ...],
@@ -155,8 +155,9 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
 
 def calibrated_gpu(cal: Calibration) -> GPUSpec:
     """This device as a GPUSpec: measured GEMM table and fused-attention rates, element-wise
-    bandwidth (efficiency 1: it is already what the kernels sustain), copies for host transfers, the per-op cost; links from the
-    all-reduce fit (the collectives themselves are priced from their own fits)."""
+    bandwidth (efficiency 1: it is already what the kernels sustain), copies for host
+    transfers, the per-op cost; links from the all-reduce fit (the collectives themselves are
+    priced from their own fits)."""
     ar = cal.collectives.get("all_reduce") or CollectiveFit(50e-6, 1 / 1e9, 2)
     link_bw = 1.0 / ar.beta
     memory = cal.memory_bytes or 16 * 1024**3

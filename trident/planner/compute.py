@@ -77,15 +77,18 @@ def micro_batch_compute(model: ModelSpec, layout: Layout, workload: Workload, cl
     fwd_layer = bwd_layer = 0.0
     flash = attention_kind(layout, workload) == "flash"
     gemms = layer_gemms(model, layout, workload)
-    for i, (m, n, k, count) in enumerate(gemms):
-        if flash and i >= 4 and g.attention_rates:
-            continue  # priced below at the fused kernel's measured rate
-        f, b = _fwd_bwd(curve, m, n, k, count, 0 if flash and i >= 4 else e)  # flash keeps scores on chip
+    dense, attention = gemms[:4], gemms[4:]
+    for m, n, k, count in dense:
+        f, b = _fwd_bwd(curve, m, n, k, count, e)
         fwd_layer, bwd_layer = fwd_layer + f, bwd_layer + b
-    if flash and g.attention_rates:
-        flops = sum(2.0 * m * n * k * count for m, n, k, count in gemms[4:])
+    if flash and g.attention_rates:  # the fused kernel at its measured rate
+        flops = sum(2.0 * m * n * k * count for m, n, k, count in attention)
         rate = attention_rate(g.attention_rates, model.d_model / model.n_head)
         fwd_layer, bwd_layer = fwd_layer + flops / rate, bwd_layer + 2 * flops / rate
+    else:
+        for m, n, k, count in attention:
+            f, b = _fwd_bwd(curve, m, n, k, count, 0 if flash else e)  # flash keeps scores on chip
+            fwd_layer, bwd_layer = fwd_layer + f, bwd_layer + b
     ew = elementwise_bytes / (g.hbm_bandwidth * g.memory_efficiency)
     fwd_layer += ew + KERNELS_FORWARD * g.kernel_seconds
     bwd_layer += 2 * ew + KERNELS_BACKWARD * g.kernel_seconds
