@@ -6,7 +6,8 @@ repeat) runs in fresh processes (one per rank, one thread each), the systems int
 by repeat in rotating order; the warm-up steps include the compilation (inductor's FX graph
 cache on disk makes every run after the first reuse its kernels). Prints the median step time
 of each system, the ratio (target: compiled >= 1.2x eager's speed), the graph breaks per block, and
-the most compiling could give here (`gemm_bound`: 1 / the share of an eager step in GEMMs).
+the most compiling could give here (`gemm_bound`: 1 / the share of an eager step in GEMMs), and
+what compiling the whole plain model gives (`whole_model_speedup`).
 
     python bench/compile_vs_eager.py [--repeats 5] [--steps 10] [--world 1]
 
@@ -121,6 +122,42 @@ def gemm_bound(steps: int = 3) -> dict:
     return {"gemm_share": share, "bound": 1.0 / share, "gemm_gflops": flops / (gemm_us * 1e-6) / 1e9}
 
 
+def whole_model_speedup(repeats: int = 5, steps: int = 4) -> dict:
+    """Eager against `torch.compile` of the whole plain model (not trident's per-block compile):
+    how much more compiling the embedding, head and loss too could give. One process, one
+    thread, two models with the same initial weights, AdamW and clipping; the systems'
+    timed blocks of `steps` steps interleave, `repeats` times, in rotating order; medians."""
+    torch.set_num_threads(1)
+    micro = json.loads(resources.files("trident.configs").joinpath("demo.json").read_text())["train_micro_batch_size_per_gpu"]
+    batch = next(token_batches(0, DEMO_GPT, micro))
+
+    def system(compiled: bool):
+        model = build_gpt(DEMO_GPT)
+        forward = torch.compile(model) if compiled else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+        def step() -> None:
+            out = forward(batch[:, :-1], batch[:, 1:])
+            (out if torch.is_tensor(out) else out[0]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for _ in range(2):  # compiles
+            step()
+        return step
+
+    steps_of = {"eager": system(False), "whole model compiled": system(True)}
+    times: dict[str, list[float]] = {name: [] for name in steps_of}
+    for repeat in range(repeats):
+        for name in rotated(list(steps_of), repeat):
+            started = time.perf_counter()
+            for _ in range(steps):
+                steps_of[name]()
+            times[name].append((time.perf_counter() - started) / steps)
+    eager, whole = (statistics.median(times[n]) for n in steps_of)
+    return {"eager_s": eager, "whole_model_s": whole, "speedup": eager / whole}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -144,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     bound = gemm_bound()
     print(f"  GEMMs are {bound['gemm_share']:.0%} of an eager step ({bound['gemm_gflops']:.0f} GFLOP/s on one thread): "
           f"compiling the rest away entirely would give at most {bound['bound']:.2f}x")
+    whole = whole_model_speedup()
+    print(f"  torch.compile of the whole plain model, one process, interleaved: {whole['eager_s'] * 1e3:.1f} ms eager, "
+          f"{whole['whole_model_s'] * 1e3:.1f} ms compiled, {whole['speedup']:.2f}x")
 
 
 if __name__ == "__main__":
