@@ -29,6 +29,10 @@ from trident.testing.distributed import cached_mesh, run_on_ranks
 # biases on, so row-parallel output biases are tp-replicated; tied embeddings.
 MODEL = dict(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16, dropout=0.0, bias=True)
 MICRO = 2
+NORM_RTOL = 1e-8
+"""The norm sums fp32 rows of 1024 squares in float64 (trident.optim.clipping): each row's fp32
+norm is rounded once (~1e-7), averaged over the rows. One element counted twice or missed moves
+this model's norm by >= 3e-5, so the bar still sees every miscounted element."""
 
 
 def plant_value(index: int) -> float:
@@ -98,13 +102,13 @@ def test_planted_gradients_give_the_closed_form_norm(name):
     world = 4 if tp > 1 and zero["stage"] else 2
     norms = run_on_ranks(world, engine_norm, zero, tp, sp)
     for norm in norms:
-        assert norm == pytest.approx(expected_norm(), rel=1e-12)
+        assert norm == pytest.approx(expected_norm(), rel=NORM_RTOL)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_planted_bf16_gradients_give_the_closed_form_norm(stage):
     for norm in run_on_ranks(2, engine_norm, {"stage": stage}, 1, False, "bf16"):
-        assert norm == pytest.approx(expected_norm(), rel=1e-12)
+        assert norm == pytest.approx(expected_norm(), rel=NORM_RTOL)
 
 
 def _two_micro_batches_of_half():
@@ -144,7 +148,7 @@ def pipe_norm(zero_stage: int) -> tuple[float, float]:
 @pytest.mark.parametrize("world,zero_stage", [(2, 0), (4, 1)])
 def test_planted_pipeline_gradients_count_the_tied_table_once(world, zero_stage):
     for norm, expected in run_on_ranks(world, pipe_norm, zero_stage):
-        assert norm == pytest.approx(expected, rel=1e-12)
+        assert norm == pytest.approx(expected, rel=NORM_RTOL)
 
 
 def ps_norm() -> float | None:
@@ -170,7 +174,7 @@ def test_planted_parameter_server_gradients_give_the_closed_form_norm():
     norms = [n for n in run_on_ranks(4, ps_norm) if n is not None]
     assert len(norms) == 2
     for norm in norms:
-        assert norm == pytest.approx(expected_norm(), rel=1e-12)
+        assert norm == pytest.approx(expected_norm(), rel=NORM_RTOL)
 
 
 class Wide(torch.nn.Module):
@@ -205,10 +209,13 @@ def wide_norm(stage: int) -> float:
     return engine.get_global_grad_norm()
 
 
-@pytest.mark.parametrize("stage", [0, 1, 3])
-def test_a_large_gradient_norm_is_exact_under_every_partitioning(stage):
-    """Whole flat buffer (stage 0), shards (1) or gathered units (3): the norm equals the
-    float64 one to 1e-9, so every layout clips by the same coefficient."""
+def test_a_large_gradient_norm_is_the_same_under_every_partitioning():
+    """Whole flat buffer (stage 0), shards (1) or gathered units (3) of a heavy-tailed 4M-element
+    gradient: the norms agree to 1e-9, so every layout clips by the same coefficient, and each
+    is within 1e-7 of the float64 norm (fp32 rows of 1024 on this CPU carry a ~2e-8 downward
+    bias; torch's fp32 norm of the whole buffer is 4e-5 off)."""
     expected = math.sqrt(sum(float(g.double().square().sum()) for g in random_gradients().values()))
-    for norm in run_on_ranks(2, wide_norm, stage):
-        assert norm == pytest.approx(expected, rel=1e-9)
+    norms = [norm for stage in (0, 1, 3) for norm in run_on_ranks(2, wide_norm, stage)]
+    for norm in norms:
+        assert norm == pytest.approx(norms[0], rel=1e-9)
+        assert norm == pytest.approx(expected, rel=1e-7)

@@ -55,10 +55,11 @@ def make_config(compiled: bool, optimizer: str, clip: float, stage: int = 0, tp:
 
 
 def train_flat(compiled: bool, optimizer: str, clip: float, stage: int = 0, tp: int = 1,
-               checkpoint: bool = False):
+               checkpoint: bool = False, scope: str = "auto"):
     """Runs on every rank: the GPT under dp (x tp); losses, norms, full weights, graph breaks."""
     mesh = cached_mesh(tp=tp)
     config = make_config(compiled, optimizer, clip, stage=stage, tp=tp, checkpoint=checkpoint)
+    config["compile"]["scope"] = scope
     engine, *_ = trident.initialize(model=make_gpt(), config=config, mesh=mesh)
     global_batch = MICRO * mesh.dp_size
     data = make_tokens(global_batch)
@@ -132,6 +133,12 @@ def test_dp_compiled_matches_eager(optimizer, clip):
 @pytest.mark.parametrize("stage,breaks", [(1, 0), (2, 0), (3, ZERO3_BREAKS)])
 def test_zero_compiled_matches_eager(stage, breaks):
     assert run_case(train_flat, "sgd", SGD_CLIP, stage=stage) == [dict.fromkeys(BLOCKS, breaks)] * 2
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_whole_model_compiled_matches_eager(stage):
+    """scope "model" (auto's choice on a GPU): one graph for the whole call, loss included."""
+    assert run_case(train_flat, "sgd", SGD_CLIP, stage=stage, scope="model") == [{"": 0}] * 2
 
 
 def test_tp2_compiled_matches_eager():

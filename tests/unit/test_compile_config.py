@@ -80,3 +80,15 @@ def test_blocks_of_trident_models():
 def test_a_model_without_blocks_is_compiled_whole():
     model = torch.nn.Sequential(torch.nn.Linear(3, 3))
     assert compile_targets(model) == [("", model)]
+
+
+def test_scope_auto_compiles_the_whole_model_on_a_gpu_where_nothing_must_stay_eager():
+    from trident.config.schema import CompileConfig
+    from trident.engine.compile import compile_scope
+
+    auto = CompileConfig(enabled=True)
+    assert compile_scope(auto, "cuda", whole_model_ok=True) == "model"
+    assert compile_scope(auto, "cuda", whole_model_ok=False) == "blocks"   # ZeRO-3, tp, cp, pp, checkpointing
+    assert compile_scope(auto, "cpu", whole_model_ok=True) == "blocks"
+    assert compile_scope(CompileConfig(enabled=True, scope="model"), "cpu", whole_model_ok=False) == "model"
+    assert compile_scope(CompileConfig(enabled=True, scope="blocks"), "cuda", whole_model_ok=True) == "blocks"

@@ -155,7 +155,11 @@ def _flat_output(output: torch.Tensor, expected_numel: int, name: str, other: to
     if not output.is_contiguous():
         raise ValueError(f"{name}: output must be contiguous (it is written through a flat view); "
                          f"pass a contiguous tensor and copy from it")
-    return output.view(-1)
+    return output if output.dim() == 1 else output.view(-1)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, group: ProcessGroup, async_op: bool = False,
@@ -221,9 +225,54 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: ProcessGroup
     """
     n = dist.get_world_size(group)
     flat_out = _flat_output(output, n * input.numel(), "all_gather", input)
-    flat_in = input.reshape(-1)
+    flat_in = _flat(input)
     return logged_call("all_gather", group, logger, async_op, lambda: _nbytes(output), output.device,
                        lambda: _all_gather_flat(flat_out, flat_in, group=group, async_op=async_op), input)
+
+
+def all_gather_coalesced(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *,
+                         group: ProcessGroup, async_op: bool = False,
+                         logger: CommsLogger | None = None) -> Handle | None:
+    """Several all-gathers issued as one (one NCCL group call, gloo's coalesced op): `outputs[k]`
+    holds every rank's `inputs[k]` back to back. Each output is its own buffer, so gathering
+    several units costs neither a concatenation of the inputs nor a copy out of a joint result.
+    Logged as one "all_gather" of all the bytes."""
+    if len(outputs) == 1:
+        return all_gather(outputs[0], inputs[0], group=group, async_op=async_op, logger=logger)
+    n = dist.get_world_size(group)
+    pairs = [(_flat_output(o, n * i.numel(), "all_gather", i), _flat(i)) for o, i in zip(outputs, inputs)]
+
+    def issue():
+        with dist._coalescing_manager(group=group, async_ops=async_op) as cm:
+            for out, inp in pairs:
+                _all_gather_flat(out, inp, group=group)
+        return cm if async_op else None
+    return logged_call("all_gather", group, logger, async_op, lambda: sum(_nbytes(o) for o in outputs),
+                       inputs[0].device, issue, inputs[0])
+
+
+def reduce_scatter_coalesced(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *,
+                             group: ProcessGroup, async_op: bool = False,
+                             logger: CommsLogger | None = None) -> Handle | None:
+    """Several SUM reduce-scatters issued as one: `outputs[k]` becomes this rank's chunk of the sum
+    of every rank's `inputs[k]`. Logged as one "reduce_scatter" of all the bytes."""
+    if len(outputs) == 1:
+        return reduce_scatter(outputs[0], inputs[0], group=group, async_op=async_op, logger=logger)
+    n = dist.get_world_size(group)
+    pairs = []
+    for o, i in zip(outputs, inputs):
+        if i.numel() % n != 0:
+            raise ValueError(f"reduce_scatter: input has {i.numel()} elements, not a multiple of the group "
+                             f"size {n}; pad the input to a multiple of {n}")
+        pairs.append((_flat_output(o, i.numel() // n, "reduce_scatter", i), _flat(i)))
+
+    def issue():
+        with dist._coalescing_manager(group=group, async_ops=async_op) as cm:
+            for out, inp in pairs:
+                _reduce_scatter_flat(out, inp, op=ReduceOp.SUM, group=group)
+        return cm if async_op else None
+    return logged_call("reduce_scatter", group, logger, async_op, lambda: sum(_nbytes(i) for i in inputs),
+                       inputs[0].device, issue, inputs[0])
 
 
 def all_gather_list(outputs: Sequence[torch.Tensor], input: torch.Tensor, *, group: ProcessGroup,
@@ -249,7 +298,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOp = Red
                          f"group size {n}; pad the input to a multiple of {n}")
     flat_out = _flat_output(output, input.numel() // n, "reduce_scatter", input)
     op, factor = _reduction(op, output, group)
-    flat_in = input.reshape(-1) if factor is None else input.reshape(-1) * factor
+    flat_in = _flat(input) if factor is None else _flat(input) * factor
     return logged_call("reduce_scatter", group, logger, async_op, lambda: _nbytes(input), input.device,
                        lambda: _reduce_scatter_flat(flat_out, flat_in, op=op, group=group, async_op=async_op),
                        input)

@@ -34,6 +34,7 @@ from trident.comm import collectives
 from trident.config.errors import ConfigError, ConfigIssue
 from trident.data_parallel.replicated import ReplicatedOptimizer
 from trident.optim.clipping import clip_coefficient, global_norm
+from trident.optim.step import PendingRead
 from trident.optim.compressed import CompressedOptimizer
 
 ALLOWED_ZERO_STAGES = (0,)
@@ -90,9 +91,11 @@ class CompressedStrategy(ReplicatedOptimizer):
                 r.buffer.zero_()
 
     def step(self, max_norm: float, loss_scale: float, split_groups: Sequence[dist.ProcessGroup],
-             lr_scheduler: Any) -> float:
+             lr_scheduler: Any, pending: PendingRead | None = None) -> float:
         if self._averaged():
-            return super().step(max_norm, loss_scale, split_groups, lr_scheduler)
+            return super().step(max_norm, loss_scale, split_groups, lr_scheduler, pending)
+        if pending is not None:
+            pending.resolve()
         parts = [(tensors, tuple(groups) + tuple(split_groups)) for tensors, groups in self.grad_parts()]
         norm = global_norm(parts) / loss_scale  # this rank's local gradient
         if not self._all_finite(norm):

@@ -34,7 +34,7 @@ from trident.config.loader import read_json
 from trident.data.sampler import DistributedSampler
 from trident.data_parallel.reducer import GradientReducer, communication_dtype
 from trident.data_parallel.replicated import ReplicatedOptimizer
-from trident.engine.compile import apply_compile
+from trident.engine.compile import apply_compile, compile_scope
 from trident.engine.engine import Engine
 from trident.engine.pipeline_engine import build_pipeline_engine
 from trident.engine.host_allocator import tune_glibc_malloc
@@ -109,6 +109,7 @@ def initialize(
             pp = cfg.pipeline
             model = from_hf(model, pp.stages, partition_method=pp.partition_method,
                             virtual_stages=pp.virtual_stages, stage_id=mesh.pp_rank)
+    place_on_device(model, engine_device(mesh), cfg)
     device = _model_device(model)
     if device.type == "cpu" and cfg.host_allocator.enabled:
         ha = cfg.host_allocator
@@ -143,7 +144,10 @@ def initialize(
                        "compatibility); remove it or change the stage", key, cfg.zero_optimization.stage)
     master, strategy, optimizer = _make_strategy(cfg, model, params, optimizer, model_parameters, mesh,
                                                 comms_logger, dtype)
-    compile_report = apply_compile(model, cfg.compile)  # after every strategy's wrappers and hooks
+    whole_model_ok = (mesh.tp_size == 1 and mesh.cp_size == 1 and mesh.pp_size == 1 and cfg.zero_optimization.stage < 3
+                      and not isinstance(model, PipelineModule) and not cfg.activation_checkpointing.layers)
+    scope = compile_scope(cfg.compile, engine_device(mesh).type, whole_model_ok)
+    compile_report = apply_compile(model, cfg.compile, scope)  # after every strategy's wrappers and hooks
     scheduler = _make_scheduler(lr_scheduler, optimizer, cfg)
     loss_scaler = make_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None
     monitors = Monitors(cfg.tensorboard, cfg.csv_monitor, enabled=mesh.mesh_rank == 0)
@@ -381,6 +385,40 @@ def _predicted_model_states(engine: Engine):
         return ModelStates(*(a + b for a, b in zip(dense.as_dict().values(), expert.as_dict().values())))
     return model_state_bytes(engine.strategy.numel + frozen, stage, mesh.dp_size * mesh.cp_size, state,
                              trainable=engine.strategy.numel)  # ZeRO partitions over dp x cp
+
+
+def engine_device(mesh: ParallelMesh) -> torch.device:
+    """The device this rank computes on: its CUDA device under NCCL, else the CPU."""
+    if mesh.device_mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_mesh.device_type)
+
+
+@torch.no_grad()
+def place_on_device(model: torch.nn.Module, device: torch.device, cfg=None) -> int:
+    """Move the parameters and buffers that sit on the CPU to `device`, as DeepSpeed's
+    initialize does, so a script that builds its model on the CPU trains on the GPU. Parameters
+    keep their identity (`.data` is replaced, as `Module.to` does between CPU and CUDA), so an
+    optimizer or `model_parameters` built over them still refers to them. Returns the number
+    of tensors moved."""
+    if device.type == "cpu":
+        return 0
+    tensors = tensors_to_place(model, cfg)
+    for t in tensors:
+        t.data = t.data.to(device)
+    return len(tensors)
+
+
+def tensors_to_place(model: torch.nn.Module, cfg=None) -> list[torch.Tensor]:
+    """The parameters and buffers `place_on_device` moves: those on the CPU, except shards made
+    by `zero.Init` (already placed) and, under ZeRO-3 with `offload_param`, all of them (the
+    partitions go to host memory or NVMe; moving the whole model first would need the very
+    memory offload saves). Meta tensors are not on the CPU: a deferred load fills them."""
+    zero = cfg.zero_optimization if cfg is not None else None
+    if zero is not None and zero.stage == 3 and zero.offload_param.device != "none":
+        return []
+    return [t for t in (*model.parameters(), *model.buffers())
+            if t.device.type == "cpu" and not hasattr(t, "_trident_shard")]
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

@@ -229,16 +229,27 @@ class _CountedCall:
 
 # -- compiling ---------------------------------------------------------------------------------------
 
-def apply_compile(model: nn.Module, cfg) -> CompileReport | None:
-    """Compile every block of `model` (see the module docstring) as `cfg` (a CompileConfig) says;
-    None when compilation is off. Call after parallelization, before the first forward."""
+def compile_scope(cfg, device_type: str, whole_model_ok: bool) -> str:
+    """`compile.scope` resolved: "model" or "blocks". `auto` compiles the whole model on a GPU
+    when `whole_model_ok` (nothing in it must run eagerly between graphs): there every operator
+    outside a graph is a kernel launch of its own, and the embedding, head and loss are a
+    sizeable share of a step's launches; on a CPU the blocks are what is worth compiling."""
+    if cfg.scope != "auto":
+        return cfg.scope
+    return "model" if device_type == "cuda" and whole_model_ok else "blocks"
+
+
+def apply_compile(model: nn.Module, cfg, scope: str = "blocks") -> CompileReport | None:
+    """Compile `model` as `cfg` (a CompileConfig) says: its whole call (`scope` "model") or every
+    block (see the module docstring); None when compilation is off. Call after parallelization,
+    before the first forward."""
     if not cfg.enabled:
         return None
     import torch._dynamo
 
     from trident.tensor_parallel.mappings import keep_mappings_eager
     keep_mappings_eager()
-    targets = compile_targets(model)
+    targets = [("", model)] if scope == "model" else compile_targets(model)
     kwargs = cfg.compile_kwargs()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     # a break inside a submodule (a ZeRO-3 hook, a tp mapping) resumes there, not at the block's

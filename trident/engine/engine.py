@@ -90,13 +90,14 @@ class Engine(BatchGetters, torch.nn.Module):
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
         self._window_loss: torch.Tensor | float = 0.0
-        self.last_loss: float | None = None
+        self._last_loss: torch.Tensor | float | None = None  # read on the host only when asked
         self.last_step_overflowed = False
         self.training_dataloader = None      # set by initialize when it builds the loader
         self.parameter_counts: dict[str, int] | None = None  # {"trainable", "frozen"} elements, set by initialize
         self.resumed_client_state = None     # client_state of the checkpoint auto_resume loaded
         self._backward_pending = False
         self._window_open = False
+        self._pending_read = None  # a PendingRead the next optimizer step checks (the pipeline engine's)
 
     # -- coordinates (DeepSpeed names) -----------------------------------------------------
 
@@ -128,6 +129,18 @@ class Engine(BatchGetters, torch.nn.Module):
     def reducer(self) -> GradientStrategy:
         """The gradient strategy under its first-wave name (kept for scripts that used it)."""
         return self.strategy
+
+    @property
+    def last_loss(self) -> float | None:
+        """The mean loss of the last accumulation window. Kept on the device until read, so a
+        step that nobody logs costs no host sync for it."""
+        if isinstance(self._last_loss, torch.Tensor):
+            self._last_loss = float(self._last_loss)
+        return self._last_loss
+
+    @last_loss.setter
+    def last_loss(self, value: torch.Tensor | float | None) -> None:
+        self._last_loss = value.detach() if isinstance(value, torch.Tensor) else value
 
     def get_global_grad_norm(self) -> float | None:
         """Norm of the averaged gradient at the last optimizer step, before clipping."""
@@ -242,7 +255,7 @@ class Engine(BatchGetters, torch.nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self._boundary_override = None  # set_gradient_accumulation_boundary holds for one micro-step
         if boundary:
-            self._boundary_step(float(self._window_loss) / self.batch.gradient_accumulation_steps)
+            self._boundary_step(self._window_loss / self.batch.gradient_accumulation_steps)
             self._window_loss = 0.0
             self._window_open = False
         self.micro_steps += 1
@@ -257,8 +270,9 @@ class Engine(BatchGetters, torch.nn.Module):
     def _boundary_step(self, window_loss: float) -> None:
         """The optimizer step that ends an accumulation window, and its bookkeeping.
 
-        `window_loss` is the mean loss of the window, for logging. The pipeline engine calls
-        this once per `train_batch`.
+        `window_loss` is the mean loss of the window, for logging (a tensor stays on the
+        device until someone reads `last_loss`). The pipeline engine calls this once per
+        `train_batch`.
         """
         with self.timers("step"):
             self._take_model_step()
@@ -280,8 +294,9 @@ class Engine(BatchGetters, torch.nn.Module):
         # The strategy clips and applies the update wherever its optimizer runs (this rank's
         # partitions, or parameter servers) and returns the norm; a non-finite one, the same on
         # every rank, means nothing was applied: the overflow check.
+        pending, self._pending_read = self._pending_read, None
         norm = self.strategy.step(self.config.gradient_clipping, self.loss_scale, self._grad_split_groups(),
-                                  self.lr_scheduler)
+                                  self.lr_scheduler, pending)
         overflow = norm is not None and not math.isfinite(norm)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)
@@ -321,7 +336,7 @@ class Engine(BatchGetters, torch.nn.Module):
 
     def _report(self) -> None:
         step = self.global_steps
-        if self.monitors is not None and self.ranks.writer:
+        if self.monitors is not None and getattr(self.monitors, "enabled", True) and self.ranks.writer:
             events = [("Train/Samples/train_loss", self.last_loss, self.global_samples),
                       ("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
             if self.loss_scaler is not None:

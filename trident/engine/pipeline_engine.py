@@ -41,6 +41,7 @@ from trident.engine.engine import Engine
 from trident.monitor.log import logger
 from trident.parallel.mesh import ParallelMesh
 from trident.pipeline.executor import PipelineError, StageExecutor, StageResult
+from trident.optim.step import PendingRead
 from trident.pipeline.instructions import STEP, OptimizerStep, ReduceGrads, ReduceTiedGrads
 from trident.pipeline.module import PipelineModule
 from trident.pipeline.schedules import build_all, build_schedule, forward_only
@@ -106,15 +107,18 @@ class PipelineEngine(Engine):
             result = self.executor.run(self.train_program[:split], data_iter,
                                        loss_scale=self.loss_scale / self.micro_batches, train=True)
         self._send_tied_grads()
-        try:
-            self._batch_loss = self._agree(result, "train_batch")
-        except PipelineError:
-            self._abandon_step()
-            raise
+        # Whether a stage failed is read with the gradient norm, before anything is applied:
+        # one host sync a step. Every rank runs the step's collectives either way, so none waits.
+        status = self._status(result)
+        self._batch_loss = status[1]
+        self._pending_read = PendingRead(status, lambda values: self._stop_if_failed(values, result, "train_batch"))
         for instr in self.train_program[split:]:
             self._step_handlers[type(instr)]()
+        if self._pending_read is not None:  # a program without an optimizer step still checks
+            pending, self._pending_read = self._pending_read, None
+            pending.resolve()
         self.micro_steps += self.micro_batches
-        return torch.tensor(self.last_loss)
+        return status[1].float()
 
     def _default_data_iter(self) -> Iterator | None:
         if self.training_dataloader is None:
@@ -133,7 +137,10 @@ class PipelineEngine(Engine):
             result = self.executor.run(self.eval_program, data_iter, train=False)
         finally:
             self.module.train(was_training)
-        return torch.tensor(self._agree(result, "eval_batch"))
+        status = self._status(result)
+        values = status.tolist()
+        self._raise_if_failed(values, result, "eval_batch")
+        return torch.tensor(values[1])
 
     def reset_activation_shape(self) -> None:
         """Re-exchange activation shapes at the next batch (call on every rank, between batches)."""
@@ -150,23 +157,34 @@ class PipelineEngine(Engine):
 
     # -- agreement and step ----------------------------------------------------------------
 
-    def _agree(self, result: StageResult, what: str) -> float:
-        """One all-reduce over the mesh: did any stage fail, and the mean loss of the batch (the
-        last stage's, plus every stage's auxiliary losses: `trident.pipeline.aux_loss`)."""
+    def _status(self, result: StageResult) -> torch.Tensor:
+        """One all-reduce over the mesh, left on the device: [stages that failed, the mean loss of
+        the batch] (the last stage's, plus every stage's auxiliary losses: `trident.pipeline.aux_loss`)."""
         mesh = self.mesh
-        share = 0.0
         replicas = mesh.world_size // mesh.pp_size
+        device = self.executor.device
+        status = torch.zeros(2, dtype=torch.float64, device=device)
+        status[0] = 1.0 if result.error else 0.0
         if self.is_last_stage() and result.losses:
             # every last-stage rank (dp x cp x ep x tp of them) adds its share; cp and tp ranks
             # report the same batch's loss, dp and ep ranks their own batches'
-            share = sum(result.losses) / len(result.losses) / replicas
+            status[1] += torch.stack(result.losses).to(device, torch.float64).sum() / (len(result.losses) * replicas)
         if result.aux_losses:  # every stage's auxiliary losses (MoE), per micro-batch, join the loss
-            share += sum(result.aux_losses) / self.micro_batches / replicas
-        status = torch.tensor([1.0 if result.error else 0.0, share], dtype=torch.float64,
-                              device=self.executor.device)
+            status[1] += torch.stack(result.aux_losses).to(device, torch.float64).sum() / (self.micro_batches * replicas)
         collectives.all_reduce(status, group=mesh.mesh_group)
-        if status[0] == 0:
-            return float(status[1])
+        return status
+
+    def _stop_if_failed(self, values: list[float], result: StageResult, what: str) -> None:
+        """After the step's collectives: drop the batch and raise on every rank if a stage failed."""
+        if values[0] != 0:
+            self._abandon_step()
+        self._raise_if_failed(values, result, what)
+
+    def _raise_if_failed(self, values: list[float], result: StageResult, what: str) -> None:
+        """Raise the first stage's error on every rank (collective when a stage failed)."""
+        if values[0] == 0:
+            return
+        mesh = self.mesh
         report = None if result.error is None else (result.failed_at, self.stage_id, mesh.global_rank, result.error)
         reports: list = [None] * mesh.world_size
         collectives.all_gather_object(reports, report, group=mesh.mesh_group)
@@ -199,8 +217,7 @@ class PipelineEngine(Engine):
         self._tied_transfers, self._tied_incoming = [], []
 
     def _abandon_step(self) -> None:
-        """After a failed batch: finish the posted transfers and drop every accumulated gradient."""
-        self._reduce_tied_grads()
+        """After a failed batch (its tied gradients already reduced): drop every accumulated gradient."""
         for tie in self.ties:
             for total in tie.sums:
                 total.zero_()

@@ -71,14 +71,16 @@ class GradientStrategy(Protocol):
     # -- the step --------------------------------------------------------------------------
 
     def step(self, max_norm: float, loss_scale: float, split_groups: Sequence[dist.ProcessGroup],
-             lr_scheduler: Any) -> float | None:
+             lr_scheduler: Any, pending: Any = None) -> float | None:
         """End the window's update wherever the optimizer runs: clip the gradient to `max_norm`
         (0: off), apply it, and advance `lr_scheduler` with it (a strategy whose schedule runs
         elsewhere ignores it). Gradients are `loss_scale` times too large and also differ across
         `split_groups` (the pipeline stages). Returns the norm before clipping; a non-finite
         norm means nothing was applied (an fp16 overflow, a NaN); None when this rank does not
         learn it (a parameter-server worker without clipping). Local strategies build it from
-        `grad_parts` and `optimizer_step` (`trident.optim.step.LocalStep`)."""
+        `grad_parts` and `optimizer_step` (`trident.optim.step.LocalStep`). `pending`
+        (`trident.optim.step.PendingRead`, pipelines) is read with the norm and checked before
+        anything is applied."""
 
     def grad_parts(self) -> Parts:
         """The gradient pieces this rank holds, each with the groups across which ranks hold

@@ -9,11 +9,33 @@ parameter-server worker's update runs on the servers instead (`PushPullStrategy.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
-from trident.optim.clipping import clip_coefficient, global_norm
+from trident.optim.clipping import clip_coefficient, global_sum_of_squares
+
+
+@dataclass
+class PendingRead:
+    """Device values the host must see before an update is applied (a pipeline's failure flag
+    and mean loss), read in the same transfer as the gradient norm, so that a step costs one
+    host sync. `check` gets them as floats and raises to stop the update."""
+
+    values: torch.Tensor
+    check: Callable[[list[float]], None]
+
+    def resolve(self, first: torch.Tensor | None = None) -> float | None:
+        """Read `first` (a one-element tensor) and the values in one transfer, run `check`, and
+        return `first`'s value."""
+        if first is None:
+            self.check(self.values.reshape(-1).tolist())
+            return None
+        both = torch.cat([first.reshape(1), self.values.reshape(-1).to(first.device, first.dtype)]).tolist()
+        self.check(both[1:])
+        return both[0]
 
 
 class LocalStep:
@@ -23,15 +45,18 @@ class LocalStep:
         """Nothing to wait for at a window's start: the parameters are this rank's."""
 
     def step(self, max_norm: float, loss_scale: float, split_groups: Sequence[dist.ProcessGroup],
-             lr_scheduler: Any) -> float:
+             lr_scheduler: Any, pending: PendingRead | None = None) -> float:
         """Clip to `max_norm` and step the optimizer and `lr_scheduler`; returns the norm.
 
         One pass over the gradient pieces this rank holds and one all-reduce per group that
         splits them give the global norm; an inf or NaN anywhere makes it non-finite on every
-        rank, which is the overflow check too: then nothing is stepped.
+        rank, which is the overflow check too: then nothing is stepped. Reading the norm is the
+        step's one host sync (`pending` values come with it).
         """
         parts = [(tensors, tuple(groups) + tuple(split_groups)) for tensors, groups in self.grad_parts()]
-        norm = global_norm(parts) / loss_scale
+        sq = global_sum_of_squares(parts)
+        total = pending.resolve(sq) if pending is not None else sq.item()
+        norm = math.sqrt(total) / loss_scale
         if math.isfinite(norm):
             self.optimizer_step(clip_coefficient(norm, max_norm) / loss_scale)
             if lr_scheduler is not None:

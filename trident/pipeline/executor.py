@@ -80,8 +80,9 @@ class PipelineError(RuntimeError):
 class StageResult:
     """What one stage's run produced: last-stage losses, or the error it raised."""
 
-    losses: list[float] = field(default_factory=list)
-    aux_losses: list[float] = field(default_factory=list)  # this stage's auxiliary losses, per micro-batch
+    # 0-dim tensors on the stage's device, read on the host only when the step needs them
+    losses: list[torch.Tensor] = field(default_factory=list)
+    aux_losses: list[torch.Tensor] = field(default_factory=list)  # this stage's auxiliary losses, per micro-batch
     error: str | None = None
     failed_at: float | None = None
     exception: BaseException | None = None
@@ -146,8 +147,8 @@ class StageExecutor:
         if not broken:
             for work in self._inflight:
                 work.wait()
-        result.losses = [float(loss) for loss in self._losses] if result.error is None else []
-        result.aux_losses = [float(v) for v in self._aux.values()] if result.error is None else []
+        result.losses = list(self._losses) if result.error is None else []
+        result.aux_losses = list(self._aux.values()) if result.error is None else []
         self._begin((), None, 1.0, train)  # drop the step's tensors
         return result
 

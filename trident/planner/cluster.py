@@ -164,7 +164,8 @@ def calibrated_gpu(cal: Calibration) -> GPUSpec:
     return GPUSpec(f"calibrated-{cal.device}", cal.gemm.peak, memory, cal.elementwise_bandwidth, link_bw, link_bw,
                    cal.memory_bandwidth, gpus_per_node=max(1, cal.world_size), intra_node_latency=ar.alpha,
                    inter_node_latency=ar.alpha, gemm_efficiency=1.0, memory_efficiency=1.0,
-                   kernel_seconds=cal.op_seconds, gemm_table=cal.gemm, attention_rates=cal.attention_rates)
+                   kernel_seconds=cal.op_seconds, gemm_table=cal.gemm, attention_rates=cal.attention_rates,
+                   host_op_seconds=cal.op_seconds if cal.device.startswith("cuda") else 0.0)
 
 
 def calibrated_cluster(cal: Calibration, num_gpus: int | None = None, gpus_per_node: int | None = None) -> Cluster:

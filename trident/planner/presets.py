@@ -199,8 +199,9 @@ class GPUSpec:
     GEMMs run slower by `gemm_curve()`: the tile and wave quantization of `sms` multiprocessors
     and the memory roofline (`trident.planner.gemm`), or the rates `gemm_table` measured on
     this machine (`trident plan --calibrate`). `kernel_seconds` is the fixed cost of one
-    kernel (launch and tail; on a CPU: one autograd op's dispatch). `attention_rates` are a
-    calibrated device's fused-attention rates.
+    kernel (launch and tail; on a CPU: one autograd op's dispatch); `host_op_seconds` what the
+    host spends issuing one operator. `attention_rates` are a calibrated device's
+    fused-attention rates.
     """
 
     name: str
@@ -217,6 +218,11 @@ class GPUSpec:
     memory_efficiency: float = 0.8
     sms: int = 108
     kernel_seconds: float = 4e-6
+    host_op_seconds: float = 12e-6
+    """Host time to dispatch one eager operator (Python, the dispatcher, the launch call). The
+    host issues a step's operators while the GPU runs earlier ones, so a step takes at least
+    ops x this: a small model's step is host-bound (the H200 of 2026-11-27 dispatched about one
+    operator per 13.6 us). 0 on a CPU, where the dispatch is part of each op's `kernel_seconds`."""
     gemm_table: GemmTable | None = None
     attention_rates: tuple[tuple[int, float], ...] = ()
     """(head width, FLOP/s) of the fused attention kernel, forward and backward, as measured here;

@@ -203,7 +203,7 @@ def step_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Clu
     bubble = bubble_fraction_of_flush(layout) * per_micro
     dp, gathers = _dp_exposed(traffic, layout, workload, stage, gas, communication_overlaps_compute(cluster))
     opt = _optimizer_time(model, layout, workload, cluster, state)
-    step = gas * per_micro + bubble + dp + opt
+    step = max(gas * per_micro + bubble + dp + opt, host_seconds(model, layout, gas, cluster))
     tokens = workload.tokens_per_step()
     gpus = layout.world_size
     model_flops, hw_flops = training_flops_per_token(model, workload.seq_len, layout.activation_checkpointing)
@@ -212,6 +212,35 @@ def step_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Clu
     return TimeEstimate(gas * stage.compute, gas * stage.tp_comm, gas * stage.pp_comm, dp, bubble, opt, step,
                         tokens / step, per_gpu, model_flops * per_gpu, hw_flops * per_gpu,
                         model_flops * per_gpu / peak, hw_flops * per_gpu / peak, gas * stage.cp_comm, gathers)
+
+
+HOST_OPS_PER_LAYER = 105
+"""Operators one transformer layer dispatches in a micro-batch's forward and backward under
+trident at stage 0, its gradient hooks included (`trident.monitor.step_cost` counts them: 105
+for the reference GPT, against a plain loop's 117)."""
+HOST_OPS_FIXED = 70
+"""Embedding, head, loss, and the optimizer step (norm, clip, fused AdamW): per step."""
+HOST_OPS_EXTRA_PER_LAYER = {"zero2": 12, "zero3": 34, "tp": 40}
+"""More per layer and micro-batch: ZeRO-2/3's gradient staging (3's gathers too), tensor
+parallelism's mappings and vocabulary-parallel loss (counted the same way)."""
+
+
+def host_ops(model: ModelSpec, layout: Layout, gas: int) -> int:
+    """Operators one optimizer step dispatches on the busiest rank."""
+    per_layer = HOST_OPS_PER_LAYER
+    if layout.zero_stage == 2:
+        per_layer += HOST_OPS_EXTRA_PER_LAYER["zero2"]
+    elif layout.zero_stage >= 3:
+        per_layer += HOST_OPS_EXTRA_PER_LAYER["zero3"]
+    if layout.tp > 1:
+        per_layer += HOST_OPS_EXTRA_PER_LAYER["tp"]
+    return gas * per_layer * stage_layers(model, layout.pp) + HOST_OPS_FIXED
+
+
+def host_seconds(model: ModelSpec, layout: Layout, gas: int, cluster: Cluster) -> float:
+    """The least a step takes on the host: its operators, each `GPUSpec.host_op_seconds`. The
+    host runs ahead of the GPU (one sync a step), so a step costs max(device time, this)."""
+    return host_ops(model, layout, gas) * cluster.gpu.host_op_seconds
 
 
 def training_flops(num_params: float, tokens: float) -> float:

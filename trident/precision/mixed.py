@@ -33,6 +33,9 @@ class MasterWeights:
             if copy else p
             for p, copy in zip(params, self.is_copy)
         ]
+        # the pairs a refresh copies, as two lists: one multi-tensor copy, not a copy per parameter
+        self._copies = ([p for p, c in zip(params, self.is_copy) if c],
+                        [m for m, c in zip(self.master_params, self.is_copy) if c])
 
     def mapping(self) -> dict[int, torch.nn.Parameter]:
         """id(model param) -> master param, to retarget a user's optimizer."""
@@ -45,17 +48,15 @@ class MasterWeights:
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
-        """Refresh the 16-bit model weights from the masters after a step."""
-        for p, m, copy in zip(self.model_params, self.master_params, self.is_copy):
-            if copy:
-                p.copy_(m)
+        """Refresh the 16-bit model weights from the masters after a step (one multi-tensor copy)."""
+        if self._copies[0]:
+            torch._foreach_copy_(*self._copies)
 
     @torch.no_grad()
     def copy_from_model(self) -> None:
         """Reset the masters from the model (after loading model weights only)."""
-        for p, m, copy in zip(self.model_params, self.master_params, self.is_copy):
-            if copy:
-                m.copy_(p)
+        if self._copies[0]:
+            torch._foreach_copy_(self._copies[1], self._copies[0])
 
 
 def retarget_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[int, torch.nn.Parameter]) -> None:

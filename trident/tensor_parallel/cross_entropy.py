@@ -104,10 +104,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
         raise ValueError(f"vocab_parallel_cross_entropy: vocab_size={vocab_size} does not fit the padded "
                          f"vocabulary of {padded} ({logits.shape[-1]} columns x tp={padded // logits.shape[-1]}); "
                          f"pass the unpadded vocabulary size of the model")
-    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
-    if bool(bad.any()):
-        raise ValueError(f"vocab_parallel_cross_entropy: target {targets[bad].flatten()[0].item()} is outside "
-                         f"[0, {vocab_size}) and is not ignore_index={ignore_index}")
+    _check_targets(targets, vocab_size, ignore_index)
     loss = _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_size, ignore_index,
                                            float(label_smoothing), logger)
     if reduction == "none":
@@ -115,3 +112,16 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / (targets != ignore_index).sum()
+
+
+def _check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Targets outside [0, vocab_size) are an error. Checked on the device (`_assert_async`), so
+    a step does not wait for it on a GPU (there it surfaces as a device assert, as in
+    F.cross_entropy); on the CPU the first bad target is named."""
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+    try:
+        torch._assert_async(~bad.any(), "vocab_parallel_cross_entropy: a target is outside the vocabulary")
+    except RuntimeError:
+        first = targets[bad].flatten()[0].item()
+        raise ValueError(f"vocab_parallel_cross_entropy: target {first} is outside [0, {vocab_size}) and is "
+                         f"not ignore_index={ignore_index}") from None

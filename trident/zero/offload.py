@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trident.optim.clipping import contiguous_runs
+
 from trident.zero.nvme import AsyncFileIO, SwapDirectory, check_nvme_path
 
 _ALIGN = 64
@@ -51,18 +53,30 @@ class OnDevice:
         return piece if piece.dtype == torch.float32 else piece.detach().float().clone()
 
     def step_grads(self, grads: list[torch.Tensor], coef: float) -> list[torch.Tensor]:
-        """fp32 gradients for the masters of one sub-group, multiplied by `coef`."""
-        out = []
-        for g in grads:
-            g = g.float() if g.dtype != torch.float32 else g  # a temporary of one sub-group
+        """fp32 gradients for the masters of one sub-group, multiplied by `coef`: in place when
+        they are fp32 already (the partition is rewritten next window anyway), else as one fp32
+        temporary of the sub-group. A few operators whatever the number of chunks, when the
+        chunks lie side by side in the partition (they do, except under stage 1)."""
+        runs = contiguous_runs(grads)
+        if grads and grads[0].dtype == torch.float32:
             if coef != 1.0:
-                g.mul_(coef)  # the gradient partition is rewritten next window anyway
-            out.append(g)
+                torch._foreach_mul_(runs, coef)
+            return grads
+        if len(runs) == 1:
+            flat = runs[0].float()
+            if coef != 1.0:
+                flat.mul_(coef)
+            return list(flat.split([g.numel() for g in grads]))
+        out = [g.float() for g in grads]
+        if coef != 1.0:
+            torch._foreach_mul_(out, coef)
         return out
 
-    def copy_back(self, target: torch.Tensor, master: torch.Tensor) -> None:
-        if target.data_ptr() != master.data_ptr():
-            target.copy_(master)
+    def copy_back(self, targets: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
+        """The updated masters into the (16-bit) parameter shards; nothing where they are one."""
+        pairs = [(t, m) for t, m in zip(targets, masters) if t.data_ptr() != m.data_ptr()]
+        if pairs:
+            torch._foreach_copy_([t for t, _ in pairs], [m for _, m in pairs])
 
     def adopt(self, s: int, masters: list[torch.nn.Parameter]) -> None:
         """A new sub-group's masters exist (NVMe writes them out)."""
@@ -95,6 +109,63 @@ class OnDevice:
         return {"device": self.state_bytes(masters, separate_masters), "host": 0, "nvme": 0}
 
 
+class HostGradients:
+    """ZeRO-Offload's gradient copies, overlapped with backward: as each bucket's reduction lands
+    in the (stage 2-3) gradient partition on the window's last backward, its range goes down to
+    a pinned fp32 host buffer on a side stream (converted to fp32 on the GPU first), while
+    backward carries on; the step then finds the whole partition on the host and waits only for
+    the last copies. On a CPU the copies are plain ones, in the same order."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.buffers: dict[int, torch.Tensor] = {}   # partition storage -> its host fp32 copy
+        self.origin: dict[int, int] = {}             # partition storage -> the partition's storage offset
+        self.staged: dict[int, int] = {}             # partition storage -> elements copied this window
+        self._stream = None
+        self._pending = False
+
+    def copy_down(self, partition: torch.Tensor, lo: int, hi: int) -> None:
+        """Start copying partition[lo:hi] (final for this window) to the host."""
+        key = partition.untyped_storage().data_ptr()
+        host = self.buffers.get(key)
+        if host is None:
+            host = self.buffers[key] = _pinned(partition.numel(), torch.float32, self.pin)
+            self.origin[key] = partition.storage_offset()
+        if partition.is_cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(partition.device)
+            self._stream.wait_stream(torch.cuda.current_stream(partition.device))
+            with torch.cuda.stream(self._stream):
+                host[lo:hi].copy_(partition[lo:hi], non_blocking=self.pin)
+            self._pending = True
+        else:
+            host[lo:hi].copy_(partition[lo:hi])
+        self.staged[key] = self.staged.get(key, 0) + (hi - lo)
+
+    def views(self, grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Host views of `grads` (1-D views of one partition) when the whole partition was copied
+        down this window, after the copies finished; else None (copy them now)."""
+        if not grads:
+            return None
+        key = grads[0].untyped_storage().data_ptr()
+        host = self.buffers.get(key)
+        if host is None or self.staged.get(key, 0) < host.numel():
+            return None
+        if self._pending:
+            self._stream.synchronize()
+            self._pending = False
+        base = self.origin[key]
+        views = []
+        for g in grads:
+            at = g.storage_offset() - base
+            views.append(host[at:at + g.numel()])
+        return views
+
+    def window_done(self) -> None:
+        """The step consumed this window's copies."""
+        self.staged.clear()
+
+
 class HostOffload(OnDevice):
     """Masters and optimizer states in host memory; the step on the CPU (ZeRO-Offload)."""
 
@@ -104,6 +175,9 @@ class HostOffload(OnDevice):
         super().__init__(optimizer)
         self.pin = pin_memory
         self._grad_buffer = torch.empty(0)
+        self.gradients = HostGradients(pin_memory)
+        self._out: dict[torch.dtype, torch.Tensor] = {}  # pinned staging of updated 16-bit shards
+        self._out_event = None
 
     def make_master(self, piece: torch.Tensor) -> torch.Tensor:
         master = _pinned(piece.numel(), torch.float32, self.pin)
@@ -111,25 +185,54 @@ class HostOffload(OnDevice):
         return master
 
     def step_grads(self, grads: list[torch.Tensor], coef: float) -> list[torch.Tensor]:
-        """The sub-group's gradients copied into one reused host fp32 buffer, then scaled."""
+        """The sub-group's gradients in host fp32, multiplied by `coef`: the copies made during
+        backward (`HostGradients`), or made now into one reused buffer."""
+        staged = self.gradients.views(grads)
+        if staged is not None:
+            if coef != 1.0:
+                torch._foreach_mul_(contiguous_runs(staged), coef)
+            return staged
         total = sum(g.numel() for g in grads)
         if self._grad_buffer.numel() < total:
             self._grad_buffer = _pinned(total, torch.float32, self.pin)
-        out, a = [], 0
-        for g in grads:
-            host = self._grad_buffer[a:a + g.numel()]
-            host.copy_(g, non_blocking=self.pin)
-            out.append(host)
-            a += g.numel()
+        out = list(self._grad_buffer[:total].split([g.numel() for g in grads]))
+        runs = contiguous_runs(grads)
+        if len(runs) == 1:
+            self._grad_buffer[:total].copy_(runs[0], non_blocking=self.pin)
+        else:
+            torch._foreach_copy_(out, grads, non_blocking=self.pin)
         if self.pin and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()
         if coef != 1.0:
-            for host in out:
-                host.mul_(coef)
+            self._grad_buffer[:total].mul_(coef)
         return out
 
-    def copy_back(self, target: torch.Tensor, master: torch.Tensor) -> None:
-        target.copy_(master, non_blocking=target.device.type == "cuda")
+    def copy_back(self, targets: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
+        """Updated masters into the device shards. To a GPU in another dtype they are converted on
+        the host into a pinned staging buffer first, so the copy up is asynchronous (a copy that
+        converts on the way goes through pageable memory and blocks)."""
+        if not targets:
+            return
+        if targets[0].device.type != "cuda":
+            torch._foreach_copy_(targets, masters)
+            return
+        dtype = targets[0].dtype
+        if dtype == masters[0].dtype and all(m.is_pinned() for m in masters):
+            torch._foreach_copy_(targets, masters, non_blocking=True)
+            return
+        total = sum(t.numel() for t in targets)
+        if self._out_event is not None:
+            self._out_event.synchronize()  # the last copy up from the staging buffer is done
+        out = self._out.get(dtype)
+        if out is None or out.numel() < total:
+            out = self._out[dtype] = _pinned(total, dtype, self.pin)
+        stage = list(out[:total].split([t.numel() for t in targets]))
+        torch._foreach_copy_(stage, masters)
+        torch._foreach_copy_(targets, [s.view(t.shape) for s, t in zip(stage, targets)], non_blocking=True)
+        self._out_event = torch.cuda.current_stream(targets[0].device).record_event()
+
+    def drain(self) -> None:
+        self.gradients.window_done()
 
     def placement(self, masters: list[torch.nn.Parameter], separate_masters: bool) -> dict[str, int]:
         return {"device": 0, "host": self.state_bytes(masters, True), "nvme": 0}
@@ -298,6 +401,7 @@ class NVMeOffload(HostOffload):
             self._finish_write(s)
 
     def drain(self) -> None:
+        self.gradients.window_done()
         for s in list(self.writes):
             self._finish_write(s)
         for s in list(self.reads):  # prefetched but not used: keep the buffers

@@ -123,6 +123,8 @@ class ZeroOptimizer(LocalStep):
         self.groups: list[PartitionGroup] = []
         self.sub_groups: list[tuple[PartitionGroup, int, int]] = []  # (group, first chunk, end chunk)
         self.coordinator = None
+        self._grad_views: dict[int, tuple] = {}   # sub-group -> (gradient buffer, its chunk views)
+        self._shard_views: dict[int, list] = {}   # sub-group -> its parameter shard views
         aio = aio if aio is not None else _default_aio()
         global_rank = dist.get_rank() if dist.is_initialized() else 0
         estimate = _partition_estimate(optimizer, self.world)
@@ -255,6 +257,10 @@ class ZeroOptimizer(LocalStep):
                                     reduce_scatter=self.cfg.reduce_scatter, rank=pg.comm.rank,
                                     comm_dtype=self.comm_dtype,
                                     reducer=self.zeropp.gradients if self.zeropp and not pg.expert else None)
+        # ZeRO-Offload to host memory: copy each bucket down as it lands (a host fp32 copy of the
+        # whole partition, as DeepSpeed keeps; NVMe offload keeps host memory to one sub-group)
+        if self.placement.device == "cpu" and self.cfg.contiguous_gradients:
+            pg.grads.on_reduced = self.placement.gradients.copy_down
 
     def _unit_ready(self, pg: PartitionGroup, u: int) -> None:
         if self.coordinator is not None:
@@ -275,6 +281,9 @@ class ZeroOptimizer(LocalStep):
     def zero_grad(self) -> None:
         for pg in self.trained:
             pg.grads.zero_grad()
+        staging = getattr(self.placement, "gradients", None)
+        if staging is not None:
+            staging.window_done()
 
     def _grad_of_chunk(self, pg: PartitionGroup, k: int, flat: torch.Tensor | None) -> torch.Tensor:
         u, start, end = pg.chunks[k]
@@ -313,19 +322,28 @@ class ZeroOptimizer(LocalStep):
     def optimizer_step(self, grad_coef: float) -> None:
         """Step the partitions sub-group by sub-group, with gradients multiplied by `grad_coef`
         (1 / loss scale, times the clipping factor), then bring the parameters up to date."""
-        flats = {id(pg): pg.grads.flat() for pg in self.trained} if self.stage > 1 else {}
         for s, (pg, k, j) in enumerate(self.sub_groups):
             self.placement.fetch(s)
             self.placement.prefetch(s + 1)
-            grads = [self._grad_of_chunk(pg, i, flats.get(id(pg))) for i in range(k, j)]
-            for i, g in zip(range(k, j), self.placement.step_grads(grads, grad_coef)):
-                pg.masters[i].grad = g
+            masters = pg.masters[k:j]
+            for m, g in zip(masters, self.placement.step_grads(self._chunk_grads(s), grad_coef)):
+                m.grad = g
             self.optimizer.step()
-            for i in range(k, j):
-                pg.masters[i].grad = None
-            self._write_shards(pg, k, j)
+            for m in masters:
+                m.grad = None
+            self._write_shards(pg, k, j, s)
             self.placement.evict(s)
         self._finish_update()
+
+    def _chunk_grads(self, s: int) -> list[torch.Tensor]:
+        """Sub-group `s`'s gradient chunks: views of the gradient partition, made once and reused
+        while the partition's buffer stays the same (it does, with `contiguous_gradients`)."""
+        pg, k, j = self.sub_groups[s]
+        flat = pg.grads.flat() if self.stage > 1 else pg.grads.buffer
+        cached = self._grad_views.get(s)
+        if cached is None or cached[0] is not flat:
+            cached = self._grad_views[s] = (flat, [self._grad_of_chunk(pg, i, flat) for i in range(k, j)])
+        return cached[1]
 
     def _finish_update(self) -> None:
         """After every sub-group was updated: offload writes finished, stages 1-2 re-gather the
@@ -337,13 +355,19 @@ class ZeroOptimizer(LocalStep):
         if self.coordinator is not None:
             self.coordinator.refresh_persistent()
 
-    def _write_shards(self, pg: PartitionGroup, k: int, j: int) -> None:
-        """Copy masters k..j-1 (resident) into the (16-bit) parameter shards (or their swap files)."""
-        for (u, start, end), m in zip(pg.chunks[k:j], pg.masters[k:j]):
-            if self.param_store is not None:
+    def _write_shards(self, pg: PartitionGroup, k: int, j: int, s: int | None = None) -> None:
+        """Copy masters k..j-1 (resident) into the (16-bit) parameter shards (or their swap files);
+        `s`, the sub-group they make up, lets the shard views be made once."""
+        if self.param_store is not None:
+            for (u, start, end), m in zip(pg.chunks[k:j], pg.masters[k:j]):
                 self.param_store.write_range((self.groups.index(pg), u), start, m)
-            else:
-                self.placement.copy_back(self._shard_of(pg, u)[start:end], m)
+            return
+        targets = self._shard_views.get(s) if s is not None else None
+        if targets is None:
+            targets = [self._shard_of(pg, u)[start:end] for u, start, end in pg.chunks[k:j]]
+            if s is not None:
+                self._shard_views[s] = targets
+        self.placement.copy_back(targets, pg.masters[k:j])
 
     def _shard_of(self, pg: PartitionGroup, u: int) -> torch.Tensor:
         if self.stage < 3:

@@ -59,14 +59,27 @@ class ShardedGradients:
         self._pieces: dict[int, torch.Tensor] = {}  # bucket -> its shard, when not contiguous
         self._slot = {s.index: (u, s) for u in layout.units for s in u.slots}
         self._bucket_of_unit = {u: b for b, units in enumerate(buckets) for u in units}
-        self._columns = []  # per bucket: {unit: first column of its block}
+        # A bucket's staging buffer holds its units one after the other, each as its whole padded
+        # flat buffer ([world x shard], rank-major): a parameter's gradient lands in one copy, and
+        # the units are reduce-scattered together (one coalesced collective).
+        self._base: list[dict[int, int]] = []  # per bucket: {unit: where its block starts}
+        self._sizes: list[int] = []            # per bucket: elements of the staging buffer
+        self._widths: list[int] = []           # per bucket: elements of this rank's result
         for units in buckets:
-            cols, c = {}, 0
+            base, at = {}, 0
             for u in units:
-                cols[u] = c
-                c += layout.units[u].shard
-            self._columns.append(cols)
+                base[u] = at
+                at += layout.units[u].padded
+            self._base.append(base)
+            self._sizes.append(at)
+            self._widths.append(at // self.world)
+        self._at = {s.index: self._base[self._bucket_of_unit[u.index]][u.index] + s.offset
+                    for u in layout.units for s in u.slots}  # a parameter's place in its staging buffer
         self._fresh = True
+        self._boundary = False
+        self.on_reduced: Callable[[torch.Tensor, int, int], None] | None = None
+        """Called with (partition, lo, hi) once partition[lo:hi] is final for the window (its
+        bucket reduced on the window's last backward): ZeRO-Offload copies it to the host then."""
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
         self._reset()
 
@@ -97,18 +110,14 @@ class ShardedGradients:
         staging = self._staging.get(b)
         if staging is None:
             staging = self._new_staging(b)
-        col = self._columns[b][unit.index]
-        flat = grad.reshape(-1)
-        a, end = slot.offset, slot.offset + slot.numel
-        while a < end:  # the parameter's elements, cut at the unit's row (shard) boundaries
-            row, c = divmod(a, unit.shard)
-            n = min(end - a, unit.shard - c)
-            staging[row, col + c:col + c + n].copy_(flat[a - slot.offset:a - slot.offset + n])
-            a += n
+        at = self._at[slot.index]
+        if grad.is_contiguous():
+            staging.as_strided(grad.shape, grad.stride(), at).copy_(grad)
+        else:
+            staging[at:at + slot.numel].view(slot.shape).copy_(grad)
 
     def _new_staging(self, b: int) -> torch.Tensor:
-        width = sum(self.layout.units[u].shard for u in self.buckets[b])
-        staging = torch.empty(self.world, width, dtype=self.dtype, device=self.device)
+        staging = torch.empty(self._sizes[b], dtype=self.dtype, device=self.device)
         for u in self.buckets[b]:  # zero only the padding; every real element is written
             unit = self.layout.units[u]
             if unit.padded > unit.numel:
@@ -117,13 +126,8 @@ class ShardedGradients:
         return staging
 
     def _zero_range(self, staging: torch.Tensor, b: int, unit: Unit, start: int, end: int) -> None:
-        col = self._columns[b][unit.index]
-        a = start
-        while a < end:
-            row, c = divmod(a, unit.shard)
-            n = min(end - a, unit.shard - c)
-            staging[row, col + c:col + c + n].zero_()
-            a += n
+        at = self._base[b][unit.index]
+        staging[at + start:at + end].zero_()
 
     def _arrive(self, u: int, i: int) -> None:
         arrived = self._arrived[u]
@@ -150,21 +154,28 @@ class ShardedGradients:
             self._staging.pop(b)
         for u in self.buckets[b]:  # parameters that got no gradient contribute zeros
             unit = self.layout.units[u]
-            for s in unit.slots:
-                if s.index not in self._arrived[u]:
-                    self._zero_range(staging, b, unit, s.offset, s.offset + s.numel)
+            if len(self._arrived[u]) < len(unit.slots):
+                for s in unit.slots:
+                    if s.index not in self._arrived[u]:
+                        self._zero_range(staging, b, unit, s.offset, s.offset + s.numel)
         self.scaling.before(staging)
         if staging.dtype != self.comm_dtype:
             staging = staging.to(self.comm_dtype)
-        if self.reducer is not None:
-            out = torch.empty(staging.shape[1], dtype=staging.dtype, device=self.device)
-            handle = self.reducer.launch(out, staging)
+        units = [self.layout.units[u] for u in self.buckets[b]]
+        blocks = [staging] if len(units) == 1 else list(staging.split([u.padded for u in units]))
+        if self.reducer is not None:  # qgZ takes [world, W] rows: rank r's shards of every unit side by side
+            rows = torch.cat([blk.view(self.world, -1) for blk in blocks], dim=1) if len(units) > 1 \
+                else staging.view(self.world, -1)
+            out = torch.empty(rows.shape[1], dtype=staging.dtype, device=self.device)
+            handle = self.reducer.launch(out, rows)
         elif self.use_reduce_scatter:
-            out = torch.empty(staging.shape[1], dtype=staging.dtype, device=self.device)
-            handle = collectives.reduce_scatter(out, staging, group=self.group, async_op=True, logger=self.logger)
-        else:  # all-reduce the whole bucket and keep this rank's row: twice the traffic
+            out = torch.empty(self._widths[b], dtype=staging.dtype, device=self.device)
+            outs = [out] if len(units) == 1 else list(out.split([u.shard for u in units]))
+            handle = collectives.reduce_scatter_coalesced(outs, blocks, group=self.group, async_op=True,
+                                                          logger=self.logger)
+        else:  # all-reduce the whole bucket and keep this rank's rows: twice the traffic
             handle = collectives.all_reduce(staging, group=self.group, async_op=True, logger=self.logger)
-            out = staging[self.rank]
+            out = [blk.view(self.world, -1)[self.rank] for blk in blocks]  # joined once reduced
         self._handles.append((b, handle, out))
         self._next += 1
         while len(self._handles) > MAX_IN_FLIGHT:  # bound the staging buffers alive during backward
@@ -173,6 +184,8 @@ class ShardedGradients:
     def _complete(self, b: int, handle, out: torch.Tensor) -> None:
         """Wait for bucket b's reduction and add this rank's shard into the partition."""
         handle.wait()
+        if isinstance(out, list):  # the all-reduce fallback: this rank's row of each unit
+            out = out[0] if len(out) == 1 else torch.cat(out)
         self.scaling.after(out)
         if out.dtype != self.dtype:
             out = out.to(self.dtype)  # reduced in `communication_data_type`, kept in the partition's dtype
@@ -180,6 +193,8 @@ class ShardedGradients:
         if self.contiguous:
             target = self.partition[lo:hi]
             target.copy_(out) if self._fresh else target.add_(out)
+            if self._boundary and self.on_reduced is not None:
+                self.on_reduced(self.partition, lo, hi)
         elif self._fresh or b not in self._pieces:
             self._pieces[b] = out if self.use_reduce_scatter else out.clone()  # not a view of staging
         else:
@@ -195,6 +210,7 @@ class ShardedGradients:
     def start_backward(self, boundary: bool) -> None:
         self._reset()
         self._active = True
+        self._boundary = boundary
 
     def finish_backward(self) -> None:
         """Reduce what is left, in bucket order, and add every result into the partition."""

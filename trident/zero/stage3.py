@@ -50,8 +50,8 @@ _Key = tuple[int, int]  # (partition group position, unit index)
 PLAIN, QUANT, NODE = "plain", "quant", "node"  # how a unit is gathered (Stage3Coordinator._mode)
 
 _COALESCE_BELOW = 1 << 16
-"""Units with fewer elements are gathered together in one collective (latency-bound); larger
-ones each get their own, straight into their buffer (bandwidth-bound, and no extra copy)."""
+"""ZeRO++ gathers of units with fewer elements share one collective (latency-bound); larger ones
+each get their own, straight into their buffer (bandwidth-bound, and no extra copy)."""
 
 
 def module_units(model: torch.nn.Module) -> tuple[list[list[torch.nn.Parameter]], dict]:
@@ -94,6 +94,9 @@ class Stage3Coordinator:
         self.inexact: set[_Key] = set()  # whole units holding int8-rounded values (qwZ), not the stored ones
         self._quantizer, self._hpz_keys = zeropp.plan_units(self.zeropp, self.units, self.persistent)
         self.pending: dict[_Key, tuple[torch.Tensor, Any]] = {}
+        self._stride_cache: dict[_Key, list[tuple[int, ...]]] = {}
+        self._shard_views: dict[_Key, torch.Tensor] = {}
+        self._empties: dict[tuple, torch.Tensor] = {}
         self.trace: list | None = None
         self._recording: list = []
         self._cursor = 0
@@ -120,19 +123,19 @@ class Stage3Coordinator:
         return sum(t.numel() for t in self.full.values()) + sum(self.numel(k) for k in self.pending)
 
     def _launch(self, keys: list[_Key], exact: bool = False) -> None:
-        """Start gathering units. Large units are gathered straight into their own buffers (no
-        copy); small ones together with one all-gather (their shards side by side, so rank r's
-        row of the result holds its shards; each unit is then copied out whole), which saves
-        the per-call latency that dominates for layer norms and biases."""
+        """Start gathering units: all plain gathers of one group as one coalesced collective, each
+        unit into its own buffer (`_launch_plain`). The ZeRO++ gathers (int8 rows, secondary
+        shards) join their inputs side by side, so rank r's row of the result holds its shards and
+        each unit is copied out whole: worth it for small units only, where the per-call latency
+        dominates (layer norms, biases); a large one goes alone, straight into its buffer."""
         keys = [k for k in dict.fromkeys(keys) if k not in self.full and k not in self.pending]
-        small = [k for k in keys if self.numel(k) < _COALESCE_BELOW]
-        for key in keys:
-            if key not in small:
-                self._launch_batch([key], self._mode(key, exact))
         by_group: dict[tuple, list[_Key]] = {}  # expert units gather over their own group (trident.moe)
-        for key in small:
+        for key in keys:
             mode = self._mode(key, exact)
-            by_group.setdefault((mode, id(self.units[key][0].comm.group)), []).append(key)
+            if mode != PLAIN and self.numel(key) >= _COALESCE_BELOW:
+                self._launch_batch([key], mode)
+            else:
+                by_group.setdefault((mode, id(self.units[key][0].comm.group)), []).append(key)
         for (mode, _), batch in by_group.items():
             self._launch_batch(batch, mode)
 
@@ -146,6 +149,9 @@ class Stage3Coordinator:
         return QUANT if key in self._quantizer else PLAIN
 
     def _launch_batch(self, keys: list[_Key], mode: str = PLAIN) -> None:
+        if mode == PLAIN:
+            self._launch_plain(keys)
+            return
         if mode == NODE:
             shards = [self.secondary[key] for key in keys]
             group, world = self.zeropp.node_group, self.zeropp.hpz
@@ -175,6 +181,24 @@ class Stage3Coordinator:
         self._live_numel += sum(self.numel(key) for key in keys)
         self.peak_numel = max(self.peak_numel, self._live_numel)
 
+    def _launch_plain(self, keys: list[_Key]) -> None:
+        """Gather units from the whole group, each straight into a buffer of its own (one
+        coalesced collective for all of them: no joined input, no copy out of a joint result)."""
+        shards = [self._shard(key) for key in keys]
+        comm = self.units[keys[0]][0].comm  # the same for every key of a batch
+        outs = [torch.empty(comm.world * s.numel(), dtype=s.dtype, device=s.device) for s in shards]
+        if comm.world == 1:
+            torch._foreach_copy_(outs, shards)
+            handle = None
+        else:
+            handle = collectives.all_gather_coalesced(outs, shards, group=comm.group, async_op=True,
+                                                      logger=self.zero.logger)
+        batch = _Gather(keys, None, handle, shards, PLAIN, None, shards[0].dtype, 0, outs)
+        for key in keys:
+            self.pending[key] = batch
+        self._live_numel += sum(self.numel(key) for key in keys)
+        self.peak_numel = max(self.peak_numel, self._live_numel)
+
     def _shard(self, key: _Key) -> torch.Tensor:
         """This rank's shard of a unit on the parameters' device: read from its swap file
         (offload_param nvme), copied from host memory (cpu), or a view of the partition."""
@@ -182,7 +206,9 @@ class Stage3Coordinator:
         if self.zero.param_store is not None:
             shard = self.zero.param_store.take(key)
         else:
-            shard = pg.partition[unit.partition_offset:unit.partition_offset + unit.shard]
+            shard = self._shard_views.get(key)
+            if shard is None:  # the partition lives as long as the coordinator: one view per unit
+                shard = self._shard_views[key] = pg.partition[unit.partition_offset:unit.partition_offset + unit.shard]
         if shard.device != self.device:
             shard = shard.to(self.device, non_blocking=True)
         return shard
@@ -198,18 +224,21 @@ class Stage3Coordinator:
             batch.out = batch.quantizer.dequantize(rows, batch.numel, batch.dtype)
             batch.quantizer = None
         col = 0
-        for k in batch.keys:
+        for i, k in enumerate(batch.keys):
             pg, unit = self.units[k]
             width = unit.padded // self.zeropp.hpz if batch.mode == NODE else unit.shard
-            if len(batch.keys) == 1:
+            if batch.outs is not None:
+                full = batch.outs[i]
+            elif len(batch.keys) == 1:
                 full = batch.out.view(-1)
             else:
                 full = batch.out[:, col:col + width].reshape(-1)  # a copy: the rows are strided
             col += width
             if self.pending.pop(k, None) is None:
                 continue
-            for s in unit.slots:
-                pg.params[s.index].data = full[s.offset:s.offset + s.numel].view(s.shape)
+            base = full.storage_offset()
+            for s, stride in zip(unit.slots, self._strides(k)):
+                pg.params[s.index].data = full.as_strided(s.shape, stride, base + s.offset)
             self.full[k] = full
             if self.zeropp is not None:
                 self._gathered(k, full, batch.mode)
@@ -223,6 +252,22 @@ class Stage3Coordinator:
             size = full.numel() // self.zeropp.hpz
             j = self.zeropp.node_rank
             self.secondary[key] = full[j * size:(j + 1) * size].clone()
+
+    def _strides(self, key: _Key) -> list[tuple[int, ...]]:
+        """Contiguous strides of each parameter of a unit (computed once)."""
+        strides = self._stride_cache.get(key)
+        if strides is None:
+            strides = self._stride_cache[key] = [_contiguous_strides(s.shape) for s in self.units[key][1].slots]
+        return strides
+
+    def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
+        """The empty tensor a released parameter points at: one per dtype and device, shared, so a
+        release allocates nothing and dispatches no operator."""
+        key = (p.dtype, p.device)
+        empty = self._empties.get(key)
+        if empty is None:
+            empty = self._empties[key] = torch.empty(0, dtype=p.dtype, device=p.device)
+        return empty
 
     def secondary_numel_of(self, pg) -> int:
         """Elements of one partition group's secondary (hpZ) shards held now."""
@@ -243,7 +288,7 @@ class Stage3Coordinator:
         pg, unit = self.units[key]
         for s in unit.slots:
             p = pg.params[s.index]
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.data = self._placeholder(p)
         if self.full.pop(key, None) is not None:
             self._live_numel -= self.numel(key)
         self.inexact.discard(key)
@@ -402,16 +447,26 @@ class Stage3Coordinator:
                 later[key] = i
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
 class _Gather:
     """All-gathers in flight: the units, the output buffer and the collective's handle."""
 
-    __slots__ = ("keys", "out", "handle", "source", "mode", "quantizer", "dtype", "numel")
+    __slots__ = ("keys", "out", "handle", "source", "mode", "quantizer", "dtype", "numel", "outs")
 
-    def __init__(self, keys: list[_Key], out: torch.Tensor, handle, source: torch.Tensor, mode: str = PLAIN,
-                 quantizer=None, dtype: torch.dtype | None = None, numel: int = 0) -> None:
+    def __init__(self, keys: list[_Key], out: torch.Tensor | None, handle, source, mode: str = PLAIN,
+                 quantizer=None, dtype: torch.dtype | None = None, numel: int = 0,
+                 outs: list[torch.Tensor] | None = None) -> None:
         self.keys, self.out, self.handle, self.source = keys, out, handle, source  # source: alive until done
         # qwZ: `out` holds each rank's int8 row of `numel` values, dequantized to `dtype` on arrival
         self.mode, self.quantizer, self.dtype, self.numel = mode, quantizer, dtype, numel
+        self.outs = outs  # plain gathers: one whole buffer per unit
 
 
 class _Stage3Linear(torch.autograd.Function):
@@ -440,32 +495,41 @@ def _linear_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _Stage3Linear.apply(x, module.weight, module.bias)
 
 
-class _GatherBeforeBackward(torch.autograd.Function):
-    """Identity in forward; in backward, gathers the module's units before its gradients run."""
-
-    @staticmethod
-    def forward(ctx, coordinator, module, tensor):
-        ctx.coordinator, ctx.module = coordinator, module
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.coordinator.fetch_module(ctx.module)
-        return None, None, grad
-
-
 def _wrap_outputs(output, coordinator, module):
-    if isinstance(output, torch.Tensor):
-        if output.requires_grad:
-            return _GatherBeforeBackward.apply(coordinator, module, output)
-        return output
-    if isinstance(output, tuple) and not hasattr(output, "_fields"):
-        return tuple(_wrap_outputs(o, coordinator, module) for o in output)
-    if isinstance(output, list):
-        return [_wrap_outputs(o, coordinator, module) for o in output]
-    if isinstance(output, dict):
-        return type(output)({k: _wrap_outputs(v, coordinator, module) for k, v in output.items()})
+    """Gather the module's units again when backward reaches it: a hook on each output that
+    needs a gradient fires once that output's gradient is complete, before the module's own
+    backward runs (no operator is added to the graph)."""
+    tensors = [t for t in _tensors_in(output) if t.requires_grad and t.grad_fn is not None]
+    if tensors:
+        hook = _GatherOnce(coordinator, module)
+        for t in tensors:
+            t.register_hook(hook)
     return output
+
+
+class _GatherOnce:
+    """A tensor hook that fetches a module's units the first time backward reaches any of its outputs."""
+
+    __slots__ = ("coordinator", "module", "done")
+
+    def __init__(self, coordinator, module) -> None:
+        self.coordinator, self.module, self.done = coordinator, module, False
+
+    def __call__(self, grad):
+        if not self.done:
+            self.done = True
+            self.coordinator.fetch_module(self.module)
+
+
+def _tensors_in(output):
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for o in output:
+            yield from _tensors_in(o)
+    elif isinstance(output, dict):
+        for o in output.values():
+            yield from _tensors_in(o)
 
 
 @torch.no_grad()
