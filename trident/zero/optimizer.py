@@ -36,18 +36,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from trident.comm import collectives
 from trident.comm.logger import CommsLogger
 from trident.moe.parallel import is_expert
 from trident.parallel.mesh import DENSE_GRADIENT_AXES, EXPERT_GRADIENT_AXES, gradient_group
 from trident.optim.step import LocalStep
-from trident.zero.partition import ShardedLayout, bucketed_groups, layout_from_groups, round_robin_order
+from trident.zero.partition import ShardedLayout, bucketed_groups, group_units, layout_from_groups, round_robin_order
+from trident.zero.param_sync import all_gather_params
 from trident.comm.buckets import GradScaling
 from trident.zero.stage1 import FullGradients
 from trident.zero.stage2 import ShardedGradients
 from trident.zero.offload import make_param_store, make_placement
-from trident.zero.stage3 import Stage3Coordinator, build_partition, module_units
-from trident.zero.state import fill_partition_state, same_partitioning
+from trident.zero.stage3 import Stage3Coordinator
+from trident.zero.units import build_partition, module_units
+from trident.zero.state import PartitionCheckpoint
 from trident.zero import zeropp
 
 
@@ -84,7 +85,7 @@ class PartitionGroup:
     chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (unit, start, end) in the shard
 
 
-class ZeroOptimizer(LocalStep):
+class ZeroOptimizer(PartitionCheckpoint, LocalStep):
     """ZeRO stages 1-3 for one engine: the engine-facing side of the gradient and step path
     (a `trident.engine.strategy.GradientStrategy`)."""
 
@@ -250,7 +251,7 @@ class ZeroOptimizer(LocalStep):
             # in reverse, and buckets launch strictly in list order: list them last-module first,
             # or every bucket's staging buffer would wait for the first module's gradients.
             buckets = [[u.index for u in units]
-                       for units in _group_units(pg.layout, self.cfg.reduce_bucket_size)][::-1]
+                       for units in group_units(pg.layout, self.cfg.reduce_bucket_size)][::-1]
         pg.grads = ShardedGradients(pg.params, pg.layout, buckets, pg.comm.group, self.dtype, overlap,
                                     self.cfg.contiguous_gradients, pg.comm.scaling, self.logger,
                                     on_unit_ready=functools.partial(self._unit_ready, pg),
@@ -351,7 +352,8 @@ class ZeroOptimizer(LocalStep):
         self.placement.drain()
         for pg in self.groups:
             if self.stage < 3:
-                self._all_gather_units(pg)
+                all_gather_params(pg.flat, pg.unit_starts, pg.layout, pg.comm.rank, pg.comm.world, pg.comm.group,
+                                  self.cfg.allgather_bucket_size, self.logger)
         if self.coordinator is not None:
             self.coordinator.refresh_persistent()
 
@@ -374,33 +376,6 @@ class ZeroOptimizer(LocalStep):
             return self._param_shard(pg, u)
         unit = pg.layout.units[u]
         return pg.partition[unit.partition_offset:unit.partition_offset + unit.shard]
-
-    def _all_gather_units(self, pg: PartitionGroup) -> None:
-        world, group = pg.comm.world, pg.comm.group
-        if world == 1:
-            return
-        handles = []
-        for units in _group_units(pg.layout, self.cfg.allgather_bucket_size, padded=True):
-            if len(units) == 1:
-                u = units[0]
-                full = pg.flat[pg.unit_starts[u.index]:pg.unit_starts[u.index] + u.padded]
-                mine = self._param_shard(pg, u.index).clone()
-                handles.append((None, collectives.all_gather(full, mine, group=group, async_op=True,
-                                                             logger=self.logger)))
-            else:
-                mine = torch.cat([self._param_shard(pg, u.index) for u in units])
-                out = torch.empty(world, mine.numel(), dtype=mine.dtype, device=mine.device)
-                handles.append(((units, out), collectives.all_gather(out, mine, group=group,
-                                                                     async_op=True, logger=self.logger)))
-        for spread, handle in handles:
-            handle.wait()
-            if spread is not None:
-                units, out = spread
-                col = 0
-                for u in units:
-                    start = pg.unit_starts[u.index]
-                    pg.flat[start:start + u.padded].view(world, u.shard).copy_(out[:, col:col + u.shard])
-                    col += u.shard
 
     def key_of(self, p: torch.nn.Parameter) -> tuple[int, int]:
         """(partition group position, unit index) of a parameter (stage 3 gathers by unit)."""
@@ -474,112 +449,11 @@ class ZeroOptimizer(LocalStep):
         if self.param_store is not None:
             self.param_store.close()
 
-    def state_dict(self) -> dict:
-        """This rank's partition: layouts, fp32 masters and the optimizer state over them
-        (read back sub-group by sub-group from NVMe when offloaded there)."""
-        if self.placement.device == "nvme":
-            return self._swapped_state_dict()
-        masters = {id(m): m.detach().clone() for pg in self.trained for m in pg.masters}
-        return self._partition_dict(masters, self.optimizer.state_dict())
-
-    def _partition_dict(self, masters: dict[int, torch.Tensor], optimizer: dict) -> dict:
-        """The saved form: per group its layout, chunks and fp32 values (a frozen group's values
-        are its shards, read here, so that checkpoints keep frozen parameters)."""
-        def values(pg: PartitionGroup) -> list[torch.Tensor]:
-            if pg.opt_group >= 0:
-                return [masters[id(m)] for m in pg.masters]
-            return [self._read_shard(pg, u, start, end).float().clone() for u, start, end in pg.chunks]
-        return {
-            "stage": self.stage, "dp_world_size": self.world, "dp_rank": self.rank,
-            "groups": [{"opt_group": pg.opt_group, "tp_sharded": pg.tp_sharded, "names": pg.names, "rank": pg.comm.rank,
-                        "layout": pg.layout.describe(), "chunks": [list(c) for c in pg.chunks],
-                        "masters": values(pg)} for pg in self.groups],
-            "optimizer": optimizer,
-        }
-
-    def _read_shard(self, pg: PartitionGroup, u: int, start: int, end: int) -> torch.Tensor:
-        if self.param_store is not None:
-            return self.param_store.read_range((self.groups.index(pg), u), start, end)
-        return self._shard_of(pg, u)[start:end]
-
-    def same_state_layout(self, saved: dict | None) -> bool:
-        return saved is not None and same_partitioning(self.state_dict_skeleton(), saved)
-
-    def state_dict_skeleton(self) -> dict:
-        """The partition dict's structure (names, chunks), without copying any tensor."""
-        return {"groups": [{"names": pg.names, "chunks": [list(c) for c in pg.chunks]} for pg in self.groups]}
-
-    def fill_resharded_state(self, skeleton: dict, param_state, where: str) -> None:
-        fill_partition_state(skeleton, param_state)
-
     def full_shape(self, t: torch.Tensor) -> tuple[int, ...]:
         """A parameter's shape as the model defines it (under stage 3 its data is a placeholder)."""
         pg = self.param_to_group[id(t)]
         index = next(i for i, q in enumerate(pg.params) if q is t)
         return next(s.shape for u in pg.layout.units for s in u.slots if s.index == index)
-
-    def _swapped_state_dict(self) -> dict:
-        optimizer = self.optimizer.state_dict()
-        index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
-        masters: dict[int, torch.Tensor] = {}
-        for s, (pg, k, j) in enumerate(self.sub_groups):
-            self.placement.fetch(s)
-            for m in pg.masters[k:j]:
-                masters[id(m)] = m.detach().clone()
-                if m in self.optimizer.state:
-                    optimizer["state"][index[id(m)]] = {
-                        key: t.clone() if isinstance(t, torch.Tensor) else t
-                        for key, t in self.optimizer.state[m].items()}
-            self.placement.evict(s, dirty=False)
-        return self._partition_dict(masters, optimizer)
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
-        if state["dp_world_size"] != self.world or len(state["groups"]) != len(self.groups):
-            raise ValueError(f"this ZeRO checkpoint partition was written by {state['dp_world_size']} "
-                             f"data-parallel ranks with {len(state['groups'])} partition groups; this run has "
-                             f"{self.world} ranks and {len(self.groups)} groups. Load it under the same layout, "
-                             "or consolidate it (trident checkpoint consolidate) and load the weights")
-        for pg, saved in zip(self.groups, state["groups"]):
-            if saved["names"] != pg.names or [list(c) for c in pg.chunks] != saved["chunks"]:
-                raise ValueError("this ZeRO checkpoint's partition does not match the model (different "
-                                 "parameters, bucket sizes or sub_group_size); consolidate it and load the weights")
-        if load_optimizer_states:
-            self.optimizer.load_state_dict(state["optimizer"])  # in memory until evicted below
-        loaded = {id(m): dict(self.optimizer.state.get(m, {})) for pg in self.groups for m in pg.masters}
-        saved_masters = {id(m): t for pg, saved in zip(self.groups, state["groups"])
-                         for m, t in zip(pg.masters, saved["masters"])}
-        for s, (pg, k, j) in enumerate(self.sub_groups):
-            self.placement.fetch(s)
-            for m in pg.masters[k:j]:
-                m.copy_(saved_masters[id(m)])
-                if load_optimizer_states:
-                    self.optimizer.state[m].update(loaded[id(m)])
-            self._write_shards(pg, k, j)
-            self.placement.evict(s)
-        for pg, saved in zip(self.groups, state["groups"]):
-            if pg.opt_group < 0:  # frozen: the saved shards are the values
-                for (u, start, _), value in zip(pg.chunks, saved["masters"]):
-                    if self.param_store is not None:
-                        self.param_store.write_range((self.groups.index(pg), u), start, value)
-                    else:
-                        self._shard_of(pg, u)[start:start + value.numel()].copy_(value)
-        self._finish_update()
-
-
-def _group_units(layout: ShardedLayout, size: int, padded: bool = False) -> list[list]:
-    """Consecutive units cut into groups of at most `size` elements (a larger unit alone)."""
-    groups, current, total = [], [], 0
-    for u in layout.units:
-        n = u.padded if padded else u.numel
-        if current and total + n > size:
-            groups.append(current)
-            current, total = [], 0
-        current.append(u)
-        total += n
-    if current:
-        groups.append(current)
-    return groups
 
 
 @torch.no_grad()

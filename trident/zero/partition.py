@@ -155,3 +155,18 @@ def _build(groups: list[list[ParamSlot]], world: int) -> ShardedLayout:
         layout.units.append(unit)
         offset += unit.shard
     return layout
+
+
+def group_units(layout: ShardedLayout, size: int, padded: bool = False) -> list[list]:
+    """Consecutive units cut into groups of at most `size` elements (a larger unit alone)."""
+    groups, current, total = [], [], 0
+    for u in layout.units:
+        n = u.padded if padded else u.numel
+        if current and total + n > size:
+            groups.append(current)
+            current, total = [], 0
+        current.append(u)
+        total += n
+    if current:
+        groups.append(current)
+    return groups

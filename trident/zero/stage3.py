@@ -44,6 +44,7 @@ import torch
 
 from trident.comm import collectives
 from trident.zero import zeropp
+from trident.zero.stage3_hooks import gather_in_backward, linear_forward
 
 _Key = tuple[int, int]  # (partition group position, unit index)
 
@@ -52,22 +53,6 @@ PLAIN, QUANT, NODE = "plain", "quant", "node"  # how a unit is gathered (Stage3C
 _COALESCE_BELOW = 1 << 16
 """ZeRO++ gathers of units with fewer elements share one collective (latency-bound); larger ones
 each get their own, straight into their buffer (bandwidth-bound, and no extra copy)."""
-
-
-def module_units(model: torch.nn.Module) -> tuple[list[list[torch.nn.Parameter]], dict]:
-    """Units of the model: each module's directly owned parameters, a shared parameter going to
-    its first owner. Returns the units and, per module, the parameters it uses directly."""
-    seen: set[int] = set()
-    units, uses = [], {}
-    for module in model.modules():
-        own = list(module.parameters(recurse=False))
-        if own:
-            uses[module] = own
-        fresh = [p for p in own if id(p) not in seen]
-        seen.update(id(p) for p in fresh)
-        if fresh:
-            units.append(fresh)
-    return units, uses
 
 
 class Stage3Coordinator:
@@ -109,7 +94,7 @@ class Stage3Coordinator:
         self._hooks.append(model.register_forward_hook(self._on_root_done))
         for m in self.keys_of:
             if type(m) is torch.nn.Linear:
-                m.forward = functools.partial(_linear_forward, m)  # see _Stage3Linear
+                m.forward = functools.partial(linear_forward, m)  # see zero.stage3_hooks.Stage3Linear
         for key in self.units:
             self._release(key, force=True)
         self.refresh_persistent()
@@ -358,7 +343,7 @@ class Stage3Coordinator:
             if not self._reused_soon(key, pos):
                 self._release(key)
         if torch.is_grad_enabled():
-            return _wrap_outputs(output, self, module)
+            return gather_in_backward(output, self, module)
         return output
 
     def fetch_module(self, module) -> None:
@@ -467,96 +452,3 @@ class _Gather:
         # qwZ: `out` holds each rank's int8 row of `numel` values, dequantized to `dtype` on arrival
         self.mode, self.quantizer, self.dtype, self.numel = mode, quantizer, dtype, numel
         self.outs = outs  # plain gathers: one whole buffer per unit
-
-
-class _Stage3Linear(torch.autograd.Function):
-    """`F.linear` that saves the weight Parameter itself for backward. Autograd's own linear
-    saves the transposed weight, a view that would keep every released unit's storage alive
-    until backward; the Parameter's data is empty between forward and backward instead, and
-    backward reads the re-gathered weight (the module's units are gathered before it runs)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return torch.nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        flat = grad.reshape(-1, grad.shape[-1])
-        grad_w = flat.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
-
-
-def _linear_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _Stage3Linear.apply(x, module.weight, module.bias)
-
-
-def _wrap_outputs(output, coordinator, module):
-    """Gather the module's units again when backward reaches it: a hook on each output that
-    needs a gradient fires once that output's gradient is complete, before the module's own
-    backward runs (no operator is added to the graph)."""
-    tensors = [t for t in _tensors_in(output) if t.requires_grad and t.grad_fn is not None]
-    if tensors:
-        hook = _GatherOnce(coordinator, module)
-        for t in tensors:
-            t.register_hook(hook)
-    return output
-
-
-class _GatherOnce:
-    """A tensor hook that fetches a module's units the first time backward reaches any of its outputs."""
-
-    __slots__ = ("coordinator", "module", "done")
-
-    def __init__(self, coordinator, module) -> None:
-        self.coordinator, self.module, self.done = coordinator, module, False
-
-    def __call__(self, grad):
-        if not self.done:
-            self.done = True
-            self.coordinator.fetch_module(self.module)
-
-
-def _tensors_in(output):
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (tuple, list)):
-        for o in output:
-            yield from _tensors_in(o)
-    elif isinstance(output, dict):
-        for o in output.values():
-            yield from _tensors_in(o)
-
-
-@torch.no_grad()
-def build_partition(pg, rank: int, world: int, dtype: torch.dtype, gi: int, zero_cfg, store=None):
-    """Yield this rank's shard of every unit, built from whole parameters (or from the shards
-    `trident.zero.Init` left on them), one unit at a time. The shards are views of
-    `pg.partition` (on the device, or in host memory with `offload_param.device` cpu); with an
-    NVMe `store` each shard is a temporary handed to the store, and `pg.partition` stays None."""
-    from trident.zero.init import full_data
-    from trident.zero.offload import host_partition
-
-    layout = pg.layout
-    device = pg.params[0].device
-    if store is None:
-        pg.partition = host_partition(layout.partition_numel, dtype, device, zero_cfg)
-    for unit in layout.units:
-        lo, hi = unit.shard_range(rank)
-        if store is None:
-            target = pg.partition[unit.partition_offset:unit.partition_offset + unit.shard]
-        else:
-            target = torch.zeros(unit.shard, dtype=dtype)
-        # Every parameter of the unit, on every rank: gathering zero.Init shards is collective.
-        whole = {s.index: full_data(pg.params[s.index]).reshape(-1) for s in unit.slots}
-        for slot, a, b in unit.pieces(rank):
-            start = slot.offset + a - lo
-            target[start:start + (b - a)].copy_(whole[slot.index][a:b])
-        del whole
-        if store is not None:
-            store.create((gi, unit.index), target)
-        yield target

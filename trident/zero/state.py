@@ -68,3 +68,94 @@ def fill_partition_state(skeleton: dict, param_state: Callable[[str], Any]) -> N
                                                                for key in keys}}
         group["masters"] = masters
     skeleton["optimizer"]["state"] = states
+
+
+class PartitionCheckpoint:
+    """`ZeroOptimizer`'s checkpoint side (a mixin): this rank's partition dict, written and read
+    back (sub-group by sub-group from NVMe when the optimizer state lives there)."""
+
+    def state_dict(self) -> dict:
+        """This rank's partition: layouts, fp32 masters and the optimizer state over them
+        (read back sub-group by sub-group from NVMe when offloaded there)."""
+        if self.placement.device == "nvme":
+            return self._swapped_state_dict()
+        masters = {id(m): m.detach().clone() for pg in self.trained for m in pg.masters}
+        return self._partition_dict(masters, self.optimizer.state_dict())
+
+    def _partition_dict(self, masters: dict[int, torch.Tensor], optimizer: dict) -> dict:
+        """The saved form: per group its layout, chunks and fp32 values (a frozen group's values
+        are its shards, read here, so that checkpoints keep frozen parameters)."""
+        def values(pg) -> list[torch.Tensor]:
+            if pg.opt_group >= 0:
+                return [masters[id(m)] for m in pg.masters]
+            return [self._read_shard(pg, u, start, end).float().clone() for u, start, end in pg.chunks]
+        return {
+            "stage": self.stage, "dp_world_size": self.world, "dp_rank": self.rank,
+            "groups": [{"opt_group": pg.opt_group, "tp_sharded": pg.tp_sharded, "names": pg.names, "rank": pg.comm.rank,
+                        "layout": pg.layout.describe(), "chunks": [list(c) for c in pg.chunks],
+                        "masters": values(pg)} for pg in self.groups],
+            "optimizer": optimizer,
+        }
+
+    def _read_shard(self, pg, u: int, start: int, end: int) -> torch.Tensor:
+        if self.param_store is not None:
+            return self.param_store.read_range((self.groups.index(pg), u), start, end)
+        return self._shard_of(pg, u)[start:end]
+
+    def same_state_layout(self, saved: dict | None) -> bool:
+        return saved is not None and same_partitioning(self.state_dict_skeleton(), saved)
+
+    def state_dict_skeleton(self) -> dict:
+        """The partition dict's structure (names, chunks), without copying any tensor."""
+        return {"groups": [{"names": pg.names, "chunks": [list(c) for c in pg.chunks]} for pg in self.groups]}
+
+    def fill_resharded_state(self, skeleton: dict, param_state, where: str) -> None:
+        fill_partition_state(skeleton, param_state)
+
+    def _swapped_state_dict(self) -> dict:
+        optimizer = self.optimizer.state_dict()
+        index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        masters: dict[int, torch.Tensor] = {}
+        for s, (pg, k, j) in enumerate(self.sub_groups):
+            self.placement.fetch(s)
+            for m in pg.masters[k:j]:
+                masters[id(m)] = m.detach().clone()
+                if m in self.optimizer.state:
+                    optimizer["state"][index[id(m)]] = {
+                        key: t.clone() if isinstance(t, torch.Tensor) else t
+                        for key, t in self.optimizer.state[m].items()}
+            self.placement.evict(s, dirty=False)
+        return self._partition_dict(masters, optimizer)
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
+        if state["dp_world_size"] != self.world or len(state["groups"]) != len(self.groups):
+            raise ValueError(f"this ZeRO checkpoint partition was written by {state['dp_world_size']} "
+                             f"data-parallel ranks with {len(state['groups'])} partition groups; this run has "
+                             f"{self.world} ranks and {len(self.groups)} groups. Load it under the same layout, "
+                             "or consolidate it (trident checkpoint consolidate) and load the weights")
+        for pg, saved in zip(self.groups, state["groups"]):
+            if saved["names"] != pg.names or [list(c) for c in pg.chunks] != saved["chunks"]:
+                raise ValueError("this ZeRO checkpoint's partition does not match the model (different "
+                                 "parameters, bucket sizes or sub_group_size); consolidate it and load the weights")
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state["optimizer"])  # in memory until evicted below
+        loaded = {id(m): dict(self.optimizer.state.get(m, {})) for pg in self.groups for m in pg.masters}
+        saved_masters = {id(m): t for pg, saved in zip(self.groups, state["groups"])
+                         for m, t in zip(pg.masters, saved["masters"])}
+        for s, (pg, k, j) in enumerate(self.sub_groups):
+            self.placement.fetch(s)
+            for m in pg.masters[k:j]:
+                m.copy_(saved_masters[id(m)])
+                if load_optimizer_states:
+                    self.optimizer.state[m].update(loaded[id(m)])
+            self._write_shards(pg, k, j)
+            self.placement.evict(s)
+        for pg, saved in zip(self.groups, state["groups"]):
+            if pg.opt_group < 0:  # frozen: the saved shards are the values
+                for (u, start, _), value in zip(pg.chunks, saved["masters"]):
+                    if self.param_store is not None:
+                        self.param_store.write_range((self.groups.index(pg), u), start, value)
+                    else:
+                        self._shard_of(pg, u)[start:start + value.numel()].copy_(value)
+        self._finish_update()
