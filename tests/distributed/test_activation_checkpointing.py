@@ -11,7 +11,7 @@ import torch
 
 import trident
 from trident import checkpointing
-from trident.checkpointing import activation
+from trident.recompute import activation
 from trident.models.gpt import GPT, GPTConfig
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.memory import LiveTensorBytes

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 import trident
-from trident.checkpointing import activation
+from trident.recompute import activation
 from trident.models.gpt import GPTConfig
 from trident.models.gpt_pipe import gpt_pipe, gpt_shard_specs, gpt_state_dict, load_gpt_state_dict
 from trident.testing.distributed import cached_mesh, run_on_ranks

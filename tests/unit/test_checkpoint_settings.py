@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from trident import checkpointing
-from trident.checkpointing import activation
+from trident.recompute import activation
 from trident.pipeline import LayerSpec, PipelineModule
 
 

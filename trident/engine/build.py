@@ -28,7 +28,7 @@ from trident.comm import collectives
 from trident.comm import deepspeed_api
 from trident.comm.backend import init_distributed
 from trident.comm.logger import CommsLogger
-from trident.compression.strategy import CompressedStrategy, check_zero_stage, is_compressed
+from trident.data_parallel.compressed import CompressedStrategy, check_zero_stage, is_compressed
 from trident.config import TridentConfig, compat, hf_auto, load_config, resolve_batch
 from trident.config.loader import read_json
 from trident.data.sampler import DistributedSampler
@@ -207,7 +207,7 @@ def _configure_activation_checkpointing(cfg, model, mesh) -> None:
     wrap. With DeepSpeed's keys in the section the model owns settings made from it (another
     engine in the process keeps its own; the process-wide ones are left alone); without them its
     checkpoint() calls use the process-wide settings of trident.checkpointing.configure."""
-    from trident.checkpointing import activation
+    from trident.recompute import activation
     ac = cfg.activation_checkpointing
     partition = ac.partition_activations
     if partition and cfg.tensor_parallel.sequence_parallel:

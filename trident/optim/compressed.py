@@ -6,7 +6,7 @@ buffers.
 These optimizers communicate themselves. During warm-up the engine averages gradients as for
 any optimizer (DeepSpeed's `enable_backward_allreduce`); once compression starts, each rank
 hands its *local* gradient to `step`, which averages momentum (or accumulated updates) through
-`trident.compression.onebit.CompressedAllReduce`. `trident.compression.strategy` is the
+`trident.compression.onebit.CompressedAllReduce`. `trident.data_parallel.compressed` is the
 gradient strategy that asks `wants_averaged_gradients()` before every accumulation window;
 nothing in the engine knows these optimizers by name.
 

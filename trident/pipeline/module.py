@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trident.checkpointing import activation
+from trident.recompute import activation
 from trident.pipeline.partition import layer_type_name, partition_layers
 
 
