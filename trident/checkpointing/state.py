@@ -86,8 +86,11 @@ def _with_data_position(engine, client_state: dict) -> dict:
     return {**client_state, "sampler": sampler.state_dict()}
 
 
-def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, save_latest: bool) -> str:
-    """Write one checkpoint of `engine`; returns the final checkpoint folder."""
+def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, save_latest: bool,
+                    records: dict[str, dict] | None = None) -> str:
+    """Write one checkpoint of `engine`; returns the final checkpoint folder. `records` go into
+    the manifest under their keys (what the layers above know about the model: its LoRA
+    scaling, its transformers config), for the offline tools that read them."""
     tag = tag or f"global_step{engine.global_steps}"
     if "/" in tag or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name (no '/', not starting with '.')")
@@ -129,7 +132,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None, client_state: dict, 
             tied.update(tied_here)
             for name, entry in per_rank.items():
                 entries.setdefault(name, {**entry, "shards": []})["shards"] += entry["shards"]
-        _write_manifest(engine, partial, tag, checksums, entries, tied)
+        _write_manifest(engine, partial, tag, checksums, entries, tied, records or {})
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -253,7 +256,7 @@ def _tensor_entries(engine, file: str) -> dict[str, dict]:
 
 
 def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str], tensors: dict[str, dict],
-                    tied: dict[str, str]) -> None:
+                    tied: dict[str, str], records: dict[str, dict]) -> None:
     mesh = engine.mesh
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -266,15 +269,7 @@ def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str], t
         "files": {name: {"sha256": digest, "bytes": (folder / name).stat().st_size}
                   for name, digest in sorted(checksums.items())},
     }
-    from trident.peft.merge import lora_record
-    lora = getattr(engine.config, "lora", None)  # else LoRA applied by hand: read off the layers
-    record = {"r": lora.r, "alpha": lora.alpha} if lora is not None else lora_record(engine.module)
-    if record is not None:  # the adapters' scaling, alpha / r: `trident checkpoint merge-lora` needs it
-        manifest["lora"] = record
-    from trident.hf.export import hf_record
-    hf = hf_record(engine.module)
-    if hf is not None:  # a transformers model inside: its config and names, for `trident checkpoint export-hf`
-        manifest["hf"] = hf
+    manifest.update({key: record for key, record in records.items() if record is not None})
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, folder / MANIFEST)

@@ -477,7 +477,17 @@ class Engine(BatchGetters, torch.nn.Module):
             return self.strategy.save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
         from trident.checkpointing.state import save_checkpoint
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
-                               save_latest=save_latest)
+                               save_latest=save_latest, records=self._manifest_records())
+
+    def _manifest_records(self) -> dict[str, dict | None]:
+        """What a checkpoint's manifest records about the model for the offline tools: the LoRA
+        adapters' scaling (`trident checkpoint merge-lora`) and a transformers model's config and
+        names (`trident checkpoint export-hf`)."""
+        from trident.hf.export import hf_record
+        from trident.peft.merge import lora_record
+        lora = getattr(self.config, "lora", None)  # else LoRA applied by hand: read off the layers
+        return {"lora": {"r": lora.r, "alpha": lora.alpha} if lora is not None else lora_record(self.module),
+                "hf": hf_record(self.module)}
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
