@@ -55,7 +55,7 @@ def make_config(compiled: bool, optimizer: str, clip: float, stage: int = 0, tp:
 
 
 def train_flat(compiled: bool, optimizer: str, clip: float, stage: int = 0, tp: int = 1,
-               checkpoint: bool = False, scope: str = "auto"):
+               checkpoint: bool = False, scope: str | None = None):
     """Runs on every rank: the GPT under dp (x tp); losses, norms, full weights, graph breaks."""
     mesh = cached_mesh(tp=tp)
     config = make_config(compiled, optimizer, clip, stage=stage, tp=tp, checkpoint=checkpoint)
@@ -137,7 +137,7 @@ def test_zero_compiled_matches_eager(stage, breaks):
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_whole_model_compiled_matches_eager(stage):
-    """scope "model" (auto's choice on a GPU): one graph for the whole call, loss included."""
+    """scope "model" (what an unset scope picks on a GPU): one graph for the whole call, loss included."""
     assert run_case(train_flat, "sgd", SGD_CLIP, stage=stage, scope="model") == [{"": 0}] * 2
 
 

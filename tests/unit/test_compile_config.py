@@ -82,7 +82,7 @@ def test_a_model_without_blocks_is_compiled_whole():
     assert compile_targets(model) == [("", model)]
 
 
-def test_scope_auto_compiles_the_whole_model_on_a_gpu_where_nothing_must_stay_eager():
+def test_unset_scope_compiles_the_whole_model_on_a_gpu_where_nothing_must_stay_eager():
     from trident.config.schema import CompileConfig
     from trident.engine.compile import compile_scope
 

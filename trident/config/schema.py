@@ -458,11 +458,11 @@ class CompileConfig(Section):
     in trident.config.compat)."""
 
     enabled: bool = Field(False, description="Compile each block with torch.compile.")
-    scope: Literal["auto", "model", "blocks"] = Field("auto", description=(
+    scope: Literal["model", "blocks"] | None = Field(None, description=(
         "What is compiled: \"model\" = the model's whole call (embedding, head and loss with the "
-        "blocks: fewest graphs and launches), \"blocks\" = each transformer block, \"auto\" = the "
-        "whole model on a GPU when nothing in it must stay eager (no ZeRO-3, tensor, context or "
-        "pipeline parallelism, no activation checkpointing), else the blocks."))
+        "blocks: fewest graphs and launches), \"blocks\" = each transformer block, null = the whole "
+        "model on a GPU when nothing in it must stay eager (no ZeRO-3, tensor, context or pipeline "
+        "parallelism, no activation checkpointing), else the blocks."))
     backend: str = Field("inductor", description=(
         "torch.compile's backend: a name from torch._dynamo.list_backends() or an importable "
         "`package.module.function`."))

@@ -230,11 +230,11 @@ class _CountedCall:
 # -- compiling ---------------------------------------------------------------------------------------
 
 def compile_scope(cfg, device_type: str, whole_model_ok: bool) -> str:
-    """`compile.scope` resolved: "model" or "blocks". `auto` compiles the whole model on a GPU
+    """`compile.scope` resolved: "model" or "blocks". Unset, it compiles the whole model on a GPU
     when `whole_model_ok` (nothing in it must run eagerly between graphs): there every operator
     outside a graph is a kernel launch of its own, and the embedding, head and loss are a
     sizeable share of a step's launches; on a CPU the blocks are what is worth compiling."""
-    if cfg.scope != "auto":
+    if cfg.scope is not None:
         return cfg.scope
     return "model" if device_type == "cuda" and whole_model_ok else "blocks"
 
