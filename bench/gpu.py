@@ -134,7 +134,7 @@ def predicted_ms(model_name: str, system: str, device: torch.device) -> float | 
     """trident.planner's step time for a trident row (None for the plain ones or an unknown GPU)."""
     if system.startswith("plain") or system == "compile":
         return None
-    from trident.diagnostics.gpu_device import gpu_preset_name
+    from trident.tools.gpu_device import gpu_preset_name
     from trident.models.gpt import GPTConfig
     from trident.planner import Layout, Workload, estimate, make_cluster, model_from_gpt_config
 

@@ -1,7 +1,7 @@
 """The hang detector's cost on a data-parallel step: the same step with it on and off.
 
 Two gloo ranks train the reference GPT with trident's data parallelism. The detector is a
-per-process switch (`trident.diagnostics.configure`), so both settings run in the same
+per-process switch (`trident.reliability.configure`), so both settings run in the same
 processes on the same engine, interleaved repeat by repeat in rotating order; each repeat
 times `--steps` steps (a barrier before each, median per repeat), and the report gives the
 median over repeats of each setting, their ratio, and the median of the per-repeat ratios
@@ -50,7 +50,7 @@ def _engine_step(bucket: int):
 
 def _switch(setting: str) -> None:
     from trident.config.schema import DistributedConfig
-    from trident.diagnostics import configure
+    from trident.reliability import configure
     configure(DistributedConfig(hang_detector=setting == "on"))
 
 
@@ -67,7 +67,7 @@ def _recorder_cost(calls: int = 20000) -> float:
 
 
 def _calls_per_step(step, batches) -> int:
-    from trident.diagnostics import active_recorder
+    from trident.reliability import active_recorder
     recorder = active_recorder()
     before = recorder.count
     step(next(batches))

@@ -1,7 +1,7 @@
 """Predicted vs measured on this machine: step time and model-state memory of trident's own runs.
 
 Calibrates this machine on 2 gloo ranks (or loads --cluster FILE), then runs the reference
-GPT (trident/planner/check.py: 4 layers, d_model 256, 64 tokens, micro-batch 8, fp32, AdamW)
+GPT (trident/tools/planner_check.py: 4 layers, d_model 256, 64 tokens, micro-batch 8, fp32, AdamW)
 in every layout of the planner's check -- DP, ZeRO 1-3, tp=2, pp=2 (1F1B), ZeRO-2 with the
 optimizer on the host -- and prints, per layout, the planner's step time and the median of the
 measured steps after warm-up, and predicted / measured model-state bytes, as ratios. The
@@ -19,7 +19,7 @@ import json
 import sys
 
 
-from trident.planner import check
+from trident.tools import planner_check as check
 from trident.planner.cluster import Calibration, load_calibration, save_calibration
 from trident.testing.distributed import run_on_ranks, shutdown_pool
 

@@ -21,8 +21,7 @@ from trident.config.compat import add_config_arguments
 from trident.engine.build import initialize
 from trident.engine.engine import Engine
 from trident.parallel.mesh import ParallelMesh
-
-__version__ = "0.1.0"
+from trident.version import __version__
 
 __all__ = ["initialize", "Engine", "ParallelMesh", "load_config", "zero", "checkpointing", "get_fp32_state_dict_from_zero_checkpoint",
            "load_state_dict_from_zero_checkpoint", "__version__", "init_distributed", "add_config_arguments", "comm",

@@ -22,14 +22,12 @@ from pathlib import Path
 
 import torch
 
-import trident
-from trident import diagnostics
 from trident.comm import collectives
 from trident.comm.backend import init_distributed
 from trident.config import TridentConfig, load_config
 from trident.data.build import build_loader, prepared_text_dir
 from trident.data.tokenizer import load_tokenizer
-from trident.engine.build import data_parallel_rank, data_parallel_size
+from trident.engine.build import data_parallel_rank, data_parallel_size, initialize
 from trident.models.gpt import GPT, GPT_PRESETS, GPTConfig
 from trident.moe.parallel import moe_metrics
 from trident.monitor.log import format_bytes, logger
@@ -37,7 +35,8 @@ from trident.monitor.plot import plot_metrics
 from trident.monitor.progress import ProgressBar
 from trident.monitor.writers import CSVMonitor, TensorBoardMonitor
 from trident.parallel.mesh import ParallelMesh
-from trident.planner.check import STEPS_BEFORE_REPORT, step_time_report
+from trident.reliability import preflight
+from trident.tools.planner_check import STEPS_BEFORE_REPORT, step_time_report
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.json"
 
@@ -111,7 +110,7 @@ def train(cfg: TridentConfig) -> Path:
                          "drive a parameter-server run from your own script with trident.initialize "
                          "(see docs/parameter_server.md) and `trident launch`")
     env = init_distributed(timeout_s=cfg.distributed.timeout_s)
-    diagnostics.preflight(cfg)
+    preflight(cfg)
     mesh = ParallelMesh.build(pp=1, tp=cfg.tensor_parallel.size, cp=cfg.context_parallel.size,
                               ep=cfg.expert_parallel.size, device_type=env.device.type)
     torch.manual_seed(cfg.seed)
@@ -123,7 +122,7 @@ def train(cfg: TridentConfig) -> Path:
                          f"data.seq_len or raise model.seq_len")
     paths = _data_paths(cfg, tokenizer, env, mesh)
     model = GPT(model_cfg).to(env.device)
-    engine, _, _, _ = trident.initialize(model=model, config=cfg, mesh=mesh)
+    engine, _, _, _ = initialize(model=model, config=cfg, mesh=mesh)
     loader = build_loader(cfg.data, seq_len=seq_len, vocab_size=model_cfg.vocab_size,
                           micro_batch_size=engine.train_micro_batch_size_per_gpu(), dp_rank=data_parallel_rank(mesh),
                           dp_size=data_parallel_size(mesh), seed=cfg.seed if cfg.data.seed is None else cfg.data.seed,

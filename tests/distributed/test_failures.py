@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from tests.scripts.jobs import run_trident
 from trident.config import load_config
-from trident.diagnostics.failures import FailureHook, OneLineError
-from trident.diagnostics.preflight_checks import PreflightError, run_preflight
+from trident.reliability.failures import FailureHook, OneLineError
+from trident.reliability.preflight_checks import PreflightError, run_preflight
 from trident.testing.distributed import cached_mesh, run_on_ranks
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from trident.cli.main import main
-from trident.diagnostics import gpu_equivalence
-from trident.diagnostics.gpu_check import run_checks
-from trident.diagnostics.gpu_common import PASS, SKIP
-from trident.diagnostics.rank_launch import RankError, run_ranks
+from trident.tools import gpu_equivalence
+from trident.tools.gpu_check import run_checks
+from trident.tools.gpu_common import PASS, SKIP
+from trident.tools.rank_launch import RankError, run_ranks
 from trident.testing.distributed import run_on_ranks
 
 CPU = torch.device("cpu")

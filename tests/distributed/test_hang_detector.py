@@ -18,8 +18,8 @@ import torch.distributed as dist
 from tests.scripts.jobs import run_trident
 from trident.comm import collectives, p2p
 from trident.config.schema import DistributedConfig
-from trident.diagnostics import configure, shutdown
-from trident.diagnostics.report import divergence_report, first_divergence, hang_report
+from trident.reliability import configure, shutdown
+from trident.reliability.report import divergence_report, first_divergence, hang_report
 from trident.testing.distributed import run_on_ranks
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"

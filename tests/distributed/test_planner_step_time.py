@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trident.planner import check
-from trident.planner.calibrate import _timed
+from trident.tools import planner_check as check
+from trident.tools.calibrate import _timed
 from trident.planner.cluster import Calibration, load_calibration, save_calibration
 from trident.testing.distributed import run_on_ranks
 

@@ -7,7 +7,7 @@ import torch
 
 import trident
 from trident.models.gpt import GPT, GPTConfig
-from trident.planner.check import step_time_report
+from trident.tools.planner_check import step_time_report
 from trident.planner.cluster import save_calibration
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from tests.unit.test_planner_calibrated import _calibration

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tests.scripts.jobs import run_trident
 from trident.config import load_config
-from trident.diagnostics.verify import reference_gpt, verify
+from trident.tools.verify import reference_gpt, verify
 from trident.models.toy import TinyMLP, make_regression_data
 from trident.testing.distributed import run_on_ranks
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from trident.cli.main import main
-from trident.diagnostics import gpu_check, gpu_device
-from trident.diagnostics.gpu_check import CHECKS, Check, Planned, Result, combine, plan_checks, run_checks
-from trident.diagnostics.gpu_common import FAIL, PASS, SKIP, Outcome, compare
-from trident.diagnostics.rank_launch import RankError
+from trident.tools import gpu_check, gpu_device
+from trident.tools.gpu_check import CHECKS, Check, Planned, Result, combine, plan_checks, run_checks
+from trident.tools.gpu_common import FAIL, PASS, SKIP, Outcome, compare
+from trident.tools.rank_launch import RankError
 
 SINGLE_GPU = {"process group", "dp equivalence", "zero-3 equivalence", "bf16 training", "pinned offload",
               "memory_breakdown vs allocator", "planner step time"}

@@ -27,7 +27,7 @@ from trident.checkpointing.state import CheckpointError
 from trident.cli import main as cli_main
 from trident.cli import verify as verify_cli
 from trident.config import ConfigError, load_config
-from trident.diagnostics.verify import VerifyError, _build, load_factory
+from trident.tools.verify import VerifyError, _build, load_factory
 from trident.testing.distributed import run_on_ranks
 
 USER_ERRORS = (ConfigError, CheckpointError, VerifyError)

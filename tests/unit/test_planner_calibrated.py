@@ -242,7 +242,7 @@ def test_hpz_secondary_partition_costs_memory():
 
 
 def test_alpha_beta_fit_is_exact_on_a_line_and_lets_small_messages_set_the_latency():
-    from trident.planner.calibrate import COMM_SIZES, fit_alpha_beta
+    from trident.tools.calibrate import COMM_SIZES, fit_alpha_beta
     alpha, beta = fit_alpha_beta(COMM_SIZES, [2e-3 + s / 1e9 for s in COMM_SIZES])
     assert alpha == pytest.approx(2e-3) and beta == pytest.approx(1e-9)
     # 20% noise on the largest message: the latency moves by 2.5% (plain least squares: 8.7%)

@@ -161,3 +161,12 @@ def test_every_strategy_has_the_protocol_methods():
         assert sorted(n for n in methods(GradientStrategy) if not hasattr(cls, n)) == [], cls.__name__
     assert sorted(n for n in methods(RemoteStrategy) | {"server_version"} if not hasattr(PushPullStrategy, n)) == []
     assert not any(hasattr(cls, n) for cls in (ReplicatedOptimizer, ZeroOptimizer) for n in methods(RemoteStrategy))
+
+
+def test_the_engine_assembles_parameter_server_runs():
+    """`trident.parameter_server.initialize_parameter_server` stays public without the package
+    importing the engine: the engine's run assembly registers itself there on import."""
+    from trident.engine import parameter_server_run
+    from trident.parameter_server import start
+
+    assert start._run_assembly is parameter_server_run.initialize_parameter_server

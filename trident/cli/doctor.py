@@ -54,7 +54,7 @@ def versions() -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trident.diagnostics import gpu_check
+    from trident.tools import gpu_check
 
     for line in versions():
         print(line)

@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.run import get_args_parser as torchrun_parser
 from torch.distributed.run import run as torchrun_run
 
-from trident.diagnostics.failures import ABORT_EXIT_CODE, CAUSES
+from trident.reliability.failures import ABORT_EXIT_CODE, CAUSES
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:

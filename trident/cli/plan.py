@@ -183,7 +183,7 @@ def _default_batch(seq_len: int, gpus: int) -> int:
 
 
 def _calibrate(args: argparse.Namespace, out) -> int:
-    from trident.planner.calibrate import calibrate
+    from trident.tools.calibrate import calibrate
     cal = calibrate(args.gpus, args.threads)
     path = save_calibration(cal, args.cluster)
     print(f"calibrated {cal.describe()}\nwrote {path}", file=out)

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         args.nproc = 2 * cfg.tensor_parallel.size
     with tempfile.TemporaryDirectory(prefix="trident-verify-") as tmp:
         result = Path(tmp) / "result.json"
-        target = ["trident.diagnostics.verify", "--config", args.config, "--steps", str(args.steps),
+        target = ["trident.tools.verify", "--config", args.config, "--steps", str(args.steps),
                   "--result", str(result)]
         if args.model:
             target += ["--model", args.model]

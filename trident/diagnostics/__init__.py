@@ -1,38 +1,9 @@
-"""Reliability and diagnostics: the hang detector, failure propagation, preflight, `trident verify`.
+"""The old home of the hang detector, failure propagation and preflight: its public names, kept
+for scripts that import them from here. The code is in `trident.reliability` (run time) and
+`trident.tools` (`trident verify`, the GPU check); import from there."""
 
-- `configure(cfg.distributed, mesh)`: turn the hang detector on (the default) or off for this
-  process: every collective and point-to-point call is recorded in a per-rank flight recorder,
-  and a watchdog thread turns a call stuck past `distributed.timeout_s`, a divergence found by
-  strict mode, or another rank's uncaught exception into one report and a prompt stop.
-- `preflight(cfg, mesh)`: before training, every rank checks that it sees the same config,
-  world size and layout as the others, and that its groups work; a mismatch is one line.
-- `trident.diagnostics.verify`: the engine of `trident verify` (layout versus one process).
-
-The flight recorder itself lives in the comm layer (trident/comm/recorder.py), which records every
-call into it; this package reads it. Everything else here loads on first use.
-"""
-
-from __future__ import annotations
-
-from trident.diagnostics.failures import ABORT_EXIT_CODE, OneLineError
-from trident.diagnostics.install import configure, shutdown
-from trident.comm.recorder import FlightRecorder
-
-
-def preflight(cfg, mesh=None) -> None:
-    """Check, on every rank, that all ranks agree on the config, world size and layout and that
-    their process groups work; raises PreflightError (one line) otherwise. Collective."""
-    from trident.diagnostics.preflight_checks import run_preflight
-
-    run_preflight(cfg, mesh)
-
-
-def active_recorder() -> FlightRecorder | None:
-    """This process's flight recorder, or None when the hang detector is off."""
-    from trident.comm import recorder as flight
-
-    return flight.active
-
+from trident.reliability import (ABORT_EXIT_CODE, FlightRecorder, OneLineError, active_recorder, configure, preflight,
+                                 shutdown)
 
 __all__ = ["ABORT_EXIT_CODE", "FlightRecorder", "OneLineError", "active_recorder", "configure", "preflight",
            "shutdown"]

@@ -23,7 +23,6 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from trident import diagnostics
 from trident.comm import collectives
 from trident.comm import deepspeed_api
 from trident.comm.backend import init_distributed
@@ -31,22 +30,22 @@ from trident.comm.logger import CommsLogger
 from trident.data_parallel.compressed import CompressedStrategy, check_zero_stage, is_compressed
 from trident.config import TridentConfig, compat, hf_auto, load_config, resolve_batch
 from trident.config.loader import read_json
-from trident.data.sampler import DistributedSampler
 from trident.data_parallel.reducer import GradientReducer, communication_dtype
 from trident.data_parallel.replicated import ReplicatedOptimizer
+from trident.engine.assembly import attach_data_and_resume, cast_to_compute_dtype, loss_scaler_for, monitors_for
 from trident.engine.compile import apply_compile, compile_scope
 from trident.engine.engine import Engine
 from trident.engine.pipeline_engine import build_pipeline_engine
 from trident.engine.host_allocator import tune_glibc_malloc
+from trident.engine.parameter_server_run import initialize_parameter_server
 from trident.monitor.log import format_bytes, logger, setup_logging
-from trident.monitor.writers import Monitors
 from trident.optim.factory import build_optimizer
 from trident.optim.schedulers import build_scheduler
 from trident.moe.parallel import apply_expert_parallel, describe_moe, is_expert
 from trident.parallel.mesh import DENSE_GRADIENT_AXES, ParallelMesh, gradient_group
 from trident.pipeline.module import PipelineModule
-from trident.precision.loss_scaler import make_loss_scaler
-from trident.precision.mixed import MasterWeights, compute_dtype, retarget_optimizer
+from trident.precision.mixed import MasterWeights, retarget_optimizer
+from trident.reliability import configure as configure_hang_detector, preflight
 from trident.zero.optimizer import ZeroOptimizer
 
 
@@ -84,7 +83,6 @@ def initialize(
                          "--deepspeed_config, see trident.add_config_arguments)")
     cfg = _load_for_run(source, model, optimizer, lr_scheduler)
     if cfg.parameter_server.servers > 0:
-        from trident.parameter_server import initialize_parameter_server
         return initialize_parameter_server(cfg, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                            training_data=training_data, lr_scheduler=lr_scheduler,
                                            collate_fn=collate_fn, mesh=mesh)
@@ -92,15 +90,15 @@ def initialize(
     if mesh is None and mpu is not None:
         from trident.engine.deepspeed_compat import mesh_from_mpu
         env = init_distributed(timeout_s=cfg.distributed.timeout_s)
-        diagnostics.preflight(cfg)
+        preflight(cfg)
         cfg, mesh = mesh_from_mpu(mpu, cfg, env.device.type)
     if mesh is None:
         env = init_distributed(timeout_s=cfg.distributed.timeout_s)
-        diagnostics.preflight(cfg)  # through the store, before any group: same config, world size, versions
+        preflight(cfg)  # through the store, before any group: same config, world size, versions
         mesh = ParallelMesh.build(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size, cp=cfg.context_parallel.size,
                                   ep=cfg.expert_parallel.size, device_type=env.device.type)
-    diagnostics.configure(cfg.distributed, mesh)  # hang detector, before trident's first collective
-    diagnostics.preflight(cfg, mesh)  # same layout on every rank; a tiny all-reduce per axis group
+    configure_hang_detector(cfg.distributed, mesh)  # hang detector, before trident's first collective
+    preflight(cfg, mesh)  # same layout on every rank; a tiny all-reduce per axis group
     setup_logging(mesh.global_rank)
     batch = resolve_batch(cfg, data_parallel_size(mesh))
     if cfg.pipeline.stages > 1 and not isinstance(model, PipelineModule):
@@ -131,8 +129,7 @@ def initialize(
         apply_lora(model, seed=cfg.seed, **cfg.lora.model_dump())
     _configure_activation_checkpointing(cfg, model, mesh)
     _broadcast_module(model, mesh)
-    dtype = compute_dtype(cfg)
-    model.to(dtype)
+    dtype = cast_to_compute_dtype(model, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     counts = {"trainable": sum(p.numel() for p in params),
               "frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad)}
@@ -149,16 +146,14 @@ def initialize(
     scope = compile_scope(cfg.compile, engine_device(mesh).type, whole_model_ok)
     compile_report = apply_compile(model, cfg.compile, scope)  # after every strategy's wrappers and hooks
     scheduler = _make_scheduler(lr_scheduler, optimizer, cfg)
-    loss_scaler = make_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None
-    monitors = Monitors(cfg.tensorboard, cfg.csv_monitor, enabled=mesh.mesh_rank == 0)
+    loss_scaler = loss_scaler_for(cfg)
+    monitors = monitors_for(cfg, mesh.mesh_rank == 0)
     if isinstance(model, PipelineModule):
         engine = build_pipeline_engine(model, cfg, mesh, batch, master, strategy, optimizer, scheduler,
                                        loss_scaler, comms_logger, monitors)
     else:
         engine = Engine(model, cfg, mesh, batch, master, strategy, optimizer, scheduler, loss_scaler,
                         comms_logger, monitors)
-    loader = _make_loader(training_data, collate_fn, mesh, batch, cfg) if training_data is not None else None
-    engine.training_dataloader = loader
     engine.compile_report = compile_report  # graph breaks per compiled block, filled on the first step
     engine.parameter_counts = counts  # this rank's (tp / pp local) elements, before any ZeRO partitioning
     _log_startup(engine, device)
@@ -166,8 +161,8 @@ def initialize(
         logger.info(line)
     if (line := compat.unknown_line(list(cfg._notes))) is not None:
         logger.warning(line)
-    if cfg.checkpoint.auto_resume and cfg.checkpoint.path:
-        _resume(engine, loader, cfg.checkpoint.path)
+    loader = attach_data_and_resume(engine, cfg, training_data, collate_fn, data_parallel_size(mesh),
+                                    data_parallel_rank(mesh))
     return engine, optimizer, loader, scheduler
 
 
@@ -184,22 +179,6 @@ def _load_for_run(source, model, optimizer, lr_scheduler) -> TridentConfig:
                                                "partition_method": model.partition_method})
         cfg = cfg.model_copy(update={"pipeline": pipe})
     return cfg
-
-
-def _resume(engine: Engine, loader, path: str) -> None:
-    """checkpoint.auto_resume: load the newest complete checkpoint under `path`, if any, and
-    put the loader's sampler back where it was."""
-    from trident.checkpointing.state import resolve_tag
-
-    if resolve_tag(path, None) is None:
-        logger.info("auto_resume: no checkpoint under %s yet; starting from step 0", path)
-        return
-    _, client_state = engine.load_checkpoint(path)
-    engine.resumed_client_state = client_state
-    sampler_state = (client_state or {}).get("sampler")
-    if loader is not None and sampler_state is not None:
-        loader.sampler.load_state_dict(sampler_state)
-    logger.info("auto_resume: continuing from step %d of %s", engine.global_steps, path)
 
 
 def _configure_activation_checkpointing(cfg, model, mesh) -> None:
@@ -299,13 +278,6 @@ def _make_scheduler(lr_scheduler, optimizer, cfg):
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         return lr_scheduler(optimizer)
     return lr_scheduler
-
-
-def _make_loader(dataset, collate_fn, mesh: ParallelMesh, batch, cfg) -> torch.utils.data.DataLoader:
-    sampler = DistributedSampler(dataset, num_replicas=data_parallel_size(mesh), rank=data_parallel_rank(mesh),
-                                 shuffle=True, seed=cfg.seed)
-    return torch.utils.data.DataLoader(dataset, batch_size=batch.micro_batch_size, sampler=sampler,
-                                       collate_fn=collate_fn, drop_last=False)
 
 
 def data_parallel_size(mesh: ParallelMesh) -> int:

@@ -67,3 +67,10 @@ def gather_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torc
     out = counts.new_empty((dist.get_world_size(group),) + tuple(counts.shape))
     collectives.all_gather(out, counts.contiguous(), group=group)
     return out
+
+
+def moe_all_to_all_bytes(tokens: float, d_model: int, k: int, ep: int, bytes_per: int) -> float:
+    """Bytes one rank sends to other ep ranks per MoE layer in forward (as much again in
+    backward): dispatch and combine each move tokens x k rows of d_model values, (ep - 1) / ep
+    of them to other ranks when routing is even. What trident's comms logger records."""
+    return 2 * tokens * d_model * k * bytes_per * (ep - 1) / ep

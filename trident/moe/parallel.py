@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from trident.comm.logger import CommsLogger
+from trident.moe.dispatch import moe_all_to_all_bytes
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -75,12 +76,12 @@ def moe_summary(model: nn.Module) -> list[str]:
 
 def describe_moe(model: nn.Module, mesh, tokens_per_micro_batch: int | None = None) -> str | None:
     """The start-up line of a model with MoE layers: experts per rank, expert bytes here, and
-    the all-to-all bytes per layer and micro-batch `trident.planner` predicts (None if dense)."""
+    the all-to-all bytes per layer and micro-batch (`moe_all_to_all_bytes`, which the planner
+    uses too; None if dense)."""
     layers = moe_layers(model)
     if not layers:
         return None
     from trident.monitor.log import format_bytes
-    from trident.planner.comm import moe_all_to_all_bytes
 
     first = layers[0][1]
     here = sum(p.numel() * p.element_size() for p in model.parameters() if is_expert(p))

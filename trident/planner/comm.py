@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from trident.moe.dispatch import moe_all_to_all_bytes
 from trident.planner.compression import gradient_bytes, parameter_gather_bytes
 from trident.planner.layout import Layout, Workload, cp_groups, grad_accumulation, local_seq_len, stage_layers
 from trident.planner.memory import StateBytes, cp_kv_dim, rank_parameter_counts
@@ -254,13 +255,6 @@ def pipeline_traffic(model: ModelSpec, layout: Layout, workload: Workload, clust
     calls = 2 * gas * v
     return [Traffic("pp", "send/recv", "activations and their gradients", size, calls,
                     calls * p2p_time(size, cluster, layout), False)]
-
-
-def moe_all_to_all_bytes(tokens: float, d_model: int, k: int, ep: int, bytes_per: int) -> float:
-    """Bytes one rank sends to other ep ranks per MoE layer in forward (as much again in
-    backward): dispatch and combine each move tokens x k rows of d_model values, (ep - 1) / ep
-    of them to other ranks when routing is even. What trident's comms logger records."""
-    return 2 * tokens * d_model * k * bytes_per * (ep - 1) / ep
 
 
 def expert_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster) -> list[Traffic]:

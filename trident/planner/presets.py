@@ -5,6 +5,10 @@ FLOPs and its traffic; a `GPUSpec` is one accelerator and the links around it; a
 N of them in nodes of K. Every number below comes from the cited paper, model card or data
 sheet; none is fitted to a benchmark (bench/planner_vs_published.py compares the planner's
 predictions with published runs using exactly these constants).
+
+A GPT shape (learned positions, LayerNorm, biases, tied embeddings: trident's reference GPT) is
+described once, as the models package's `trident.models.gpt.GPTConfig`; the planner reads one
+through `model_from_gpt_config`, and takes trident's own sizes from `GPT_PRESETS` there.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from trident.models.gpt import GPT_PRESETS
+from trident.models.gpt import GPT_PRESETS, GPTConfig
 from trident.planner.gemm import GemmCurve, GemmTable
 
 GiB = 1024**3
@@ -144,8 +148,23 @@ class ModelSpec:
                 f"{self.d_model}, {self.n_head} heads, vocab {self.vocab_size}, seq_len {self.seq_len}{moe}")
 
 
-def _gpt(name: str, n_layer: int, d_model: int, n_head: int, vocab: int = 50257, seq: int = 2048, **kw) -> ModelSpec:
-    return ModelSpec(name, n_layer, d_model, n_head, vocab, seq, **kw)
+def model_from_gpt_config(cfg: GPTConfig, name: str = "trident-gpt") -> ModelSpec:
+    """The ModelSpec of trident's reference GPT built from a `trident.models.gpt.GPTConfig`."""
+    moe = getattr(cfg, "moe", None)
+    experts = dict(num_experts=moe.num_experts, moe_k=moe.k, moe_every_n_layers=moe.every_n_layers) if moe else {}
+    return ModelSpec(name, cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size, cfg.seq_len, d_ff=cfg.d_ff,
+                     bias=cfg.bias, tie_embeddings=cfg.tie_embeddings, **experts)
+
+
+def _gpt(name: str, n_layer: int, d_model: int, n_head: int, vocab: int = 50257, seq: int = 2048) -> ModelSpec:
+    """A published model of the reference GPT's shape, described as the models package does."""
+    shape = GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=n_layer, n_head=n_head, d_model=d_model)
+    return model_from_gpt_config(shape, name)
+
+
+def _gpt_preset(name: str, preset: str, vocab: int) -> ModelSpec:
+    """One of trident's own GPT sizes (`GPT_PRESETS`, which leave the vocabulary to the tokenizer)."""
+    return model_from_gpt_config(GPTConfig(vocab_size=vocab, **GPT_PRESETS[preset]), name)
 
 
 def _llama(name: str, n_layer: int, d_model: int, n_head: int, d_ff: int, seq: int = 2048, vocab: int = 32000,
@@ -155,8 +174,9 @@ def _llama(name: str, n_layer: int, d_model: int, n_head: int, d_ff: int, seq: i
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
-    # GPT-2 (Radford et al. 2019; the Hugging Face gpt2* configs): vocab 50257, context 1024.
-    _gpt("gpt2-124m", 12, 768, 12, seq=1024),
+    # GPT-2 (Radford et al. 2019; the Hugging Face gpt2* configs): vocab 50257, context 1024; the
+    # 124M size is also one of trident's own presets.
+    _gpt_preset("gpt2-124m", "gpt2-124m", vocab=50257),
     _gpt("gpt2-355m", 24, 1024, 16, seq=1024),
     _gpt("gpt2-774m", 36, 1280, 20, seq=1024),
     _gpt("gpt2-1.5b", 48, 1600, 25, seq=1024),
@@ -172,7 +192,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     _gpt("mt-nlg-530b", 105, 20480, 128, vocab=51200),
     # BLOOM (BigScience 2022, arXiv:2211.05100; bigscience train/tr11-176B-ml): ALiBi positions,
     # embedding LayerNorm, vocabulary 250680 padded to 250880 for tensor parallelism.
-    _gpt("bloom-176b", 70, 14336, 112, vocab=250880, position="alibi", embed_norm=True),
+    ModelSpec("bloom-176b", 70, 14336, 112, 250880, 2048, position="alibi", embed_norm=True),
     # LLaMA (Touvron et al. 2023a, Table 2) and Llama 2 70B (Touvron et al. 2023b; its HF config).
     _llama("llama-7b", 32, 4096, 32, 11008),
     _llama("llama-13b", 40, 5120, 40, 13824),
@@ -185,8 +205,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     _gpt("opt-175b", 96, 12288, 96, vocab=50272),
 ]}
 # trident's own reference sizes (trident.models.gpt.GPT_PRESETS) with the bundled tokenizer.
-MODEL_PRESETS.update({f"trident-{name}": ModelSpec(f"trident-{name}", vocab_size=BUNDLED_VOCAB, **shape)
-                      for name, shape in GPT_PRESETS.items()})
+MODEL_PRESETS.update({f"trident-{name}": _gpt_preset(f"trident-{name}", name, BUNDLED_VOCAB) for name in GPT_PRESETS})
 
 
 @dataclass(frozen=True)
@@ -306,14 +325,6 @@ def model_preset(name: str) -> ModelSpec:
     except KeyError:
         raise ValueError(f"unknown model {name!r}; choose a preset ({', '.join(MODEL_PRESETS)}), a Hugging "
                          f"Face-style config.json, or give --layers --hidden --heads --vocab") from None
-
-
-def model_from_gpt_config(cfg: Any, name: str = "trident-gpt") -> ModelSpec:
-    """The ModelSpec of trident's reference GPT built from a `trident.models.gpt.GPTConfig`."""
-    moe = getattr(cfg, "moe", None)
-    experts = dict(num_experts=moe.num_experts, moe_k=moe.k, moe_every_n_layers=moe.every_n_layers) if moe else {}
-    return ModelSpec(name, cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size, cfg.seq_len, d_ff=cfg.d_ff,
-                     bias=cfg.bias, tie_embeddings=cfg.tie_embeddings, **experts)
 
 
 _HF_KEYS: dict[str, tuple[str, ...]] = {

@@ -15,12 +15,10 @@ parallelism) catches finer differences; the update check is what ZeRO stages get
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from trident.diagnostics.verify import RunRecord
+from trident.tools.verify_record import RunRecord
 
 # Order of checks within a step: a difference found earlier explains those after it.
 _KINDS = ("output", "output gradient", "parameter gradient", "parameter update")

@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import trident
-from trident.diagnostics.gpu_common import (MICRO, SMALL, STEPS, Outcome, compare, elapsed_seconds, engine_config,
-                                            exact_fp32, make_gpt, median, rank_rows, serial_run, tokens)
+from trident.engine.build import initialize
 from trident.engine.pipeline_engine import PipelineEngine
 from trident.models.gpt_pipe import gpt_pipe, gpt_state_dict, load_gpt_state_dict
 from trident.parallel.mesh import ParallelMesh
 from trident.tensor_parallel import shard_specs
 from trident.tensor_parallel.split import split_state_dict
+from trident.tools.gpu_common import (MICRO, SMALL, STEPS, Outcome, compare, elapsed_seconds, engine_config, exact_fp32,
+                                      make_gpt, median, rank_rows, serial_run, tokens)
 
 ALL_REDUCE_BYTES = {"cuda": 64 * 2**20, "cpu": 2**20}
 
@@ -73,7 +73,7 @@ def equivalence(device: torch.device, stage: int = 0, tp: int = 1) -> Outcome:
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # every parameter partitioned and gathered
     config = engine_config(MICRO, zero_optimization=zero, tensor_parallel={"size": tp})
-    engine, *_ = trident.initialize(model=make_gpt(device), config=config)
+    engine, *_ = initialize(model=make_gpt(device), config=config)
     mesh = engine.mesh
     norms = _train_engine(engine, mesh.dp_rank, mesh.dp_size, device)
     if stage == 3:
@@ -95,7 +95,7 @@ def pipeline_equivalence(device: torch.device, pp: int = 2) -> Outcome:
     pipe.to(device)
     gas = 2
     config = engine_config(MICRO, gas, pipeline={"stages": pp, "schedule": "1f1b", "partition_method": "uniform"})
-    engine, *_ = trident.initialize(model=pipe, config=config, mesh=mesh)
+    engine, *_ = initialize(model=pipe, config=config, mesh=mesh)
     if not isinstance(engine, PipelineEngine):
         return Outcome.judge(False, f"trident.initialize returned {type(engine).__name__}, not a PipelineEngine")
     global_batch = MICRO * gas * mesh.dp_size
@@ -117,7 +117,7 @@ BF16_LOSS_RTOL = 0.02
 def bf16_training(device: torch.device) -> Outcome:
     """bf16 data parallelism over every rank: bf16 weights, fp32 masters, losses track fp32."""
     config = engine_config(MICRO, bf16={"enabled": True})
-    engine, *_ = trident.initialize(model=make_gpt(device), config=config)
+    engine, *_ = initialize(model=make_gpt(device), config=config)
     world = engine.mesh.dp_size
     dtypes = {p.dtype for p in engine.module.parameters()}
     global_batch = MICRO * world

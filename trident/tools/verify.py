@@ -27,20 +27,19 @@ import importlib
 import importlib.util
 import json
 import sys
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-import trident
 from trident.comm import collectives
 from trident.comm.backend import init_distributed
 from trident.config import ConfigError, TridentConfig, load_config, resolve_batch
+from trident.engine.build import initialize
 from trident.parallel.mesh import ParallelMesh
-from trident.tensor_parallel.layers import gather_whole
+from trident.tools.verify_compare import compare, default_rtol, report
+from trident.tools.verify_record import RunRecord, record_run
 
 Factory = Callable[[TridentConfig], tuple]
 
@@ -108,117 +107,6 @@ def _build(factory: Factory, cfg: TridentConfig) -> tuple[torch.nn.Module, Any]:
     return model, data
 
 
-# -- recording ------------------------------------------------------------------------------
-
-def _first_tensor(out: Any) -> torch.Tensor | None:
-    if isinstance(out, torch.Tensor):
-        return out if out.is_floating_point() else None
-    if isinstance(out, (tuple, list)):
-        return next((t for t in map(_first_tensor, out) if t is not None), None)
-    if isinstance(out, dict):
-        return next((t for t in map(_first_tensor, out.values()) if t is not None), None)
-    return None
-
-
-class Tape:
-    """Module outputs and the gradients flowing into them, keyed (step, micro, module, call).
-
-    Gradients are multiplied by `scale` (the run's accumulation steps over its loss scale) so
-    both runs record d(micro-batch loss)/d(output), whatever their accumulation.
-    """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.outputs: dict[tuple, torch.Tensor] = {}
-        self.grads: dict[tuple, torch.Tensor] = {}
-        self.where = (0, 0)
-        self.scale = 1.0
-        self._calls: Counter = Counter()
-        self.owner = {}  # parameter name -> module name
-        for name, mod in module.named_modules():
-            mod.register_forward_hook(self._hook(name or "(model)"))
-            for pname, _ in mod.named_parameters(recurse=False):
-                self.owner[f"{name}.{pname}" if name else pname] = name or "(model)"
-
-    def at(self, step: int, micro: int) -> None:
-        self.where = (step, micro)
-        self._calls.clear()
-
-    def _hook(self, name: str):
-        def hook(module, inputs, output) -> None:
-            t = _first_tensor(output)
-            if t is None:
-                return
-            key = (*self.where, name, self._calls[name])
-            self._calls[name] += 1
-            self.outputs[key] = t.detach().float().clone()
-            if t.requires_grad:
-                t.register_hook(lambda g: self.grads.__setitem__(key, g.detach().float() * self.scale))
-        return hook
-
-
-@dataclass
-class RunRecord:
-    """One run: per-step loss and grad norm, parameters after every step, and its tape."""
-
-    losses: list[float] = field(default_factory=list)
-    norms: list[float | None] = field(default_factory=list)
-    grads_at_step: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    params: list[dict[str, torch.Tensor]] = field(default_factory=list)  # [0]: initial; [s + 1]: after step s
-    outputs: dict = field(default_factory=dict)
-    grads: dict = field(default_factory=dict)
-    owner: dict = field(default_factory=dict)
-
-
-def _whole(engine, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`local` (name -> this rank's tensor) with tensor-parallel shards merged into whole tensors."""
-    mesh = engine.mesh
-    out = {}
-    for name, p in engine.module.named_parameters():
-        if name not in local:
-            continue
-        t = local[name].float()
-        spec = getattr(p, "tp_spec", None)
-        if spec is not None and mesh.tp_size > 1:
-            t = gather_whole(t, spec, mesh.tp_group)
-        out[name] = t.clone()
-    return out
-
-
-def _reduced_grads(engine) -> dict[str, torch.Tensor]:
-    """The averaged gradients the optimizer is about to use, where the strategy keeps them on the
-    parameters (fp32 data parallelism); ZeRO's partitioned gradients are compared through the
-    parameters after the step instead."""
-    if not engine.strategy.averaged_gradients:
-        return {}
-    scale = engine.loss_scale
-    return _whole(engine, {n: p.grad / scale for n, p in engine.module.named_parameters() if p.grad is not None})
-
-
-def _run(engine, data, steps: int, micro_ids: Callable[[int], list[int]], micro: int, global_batch: int,
-         seed: int) -> RunRecord:
-    tape = Tape(engine.module)
-    rec = RunRecord(owner=tape.owner)
-    rec.params.append(_whole(engine, engine.consolidated_state_dict()))
-    collate = torch.utils.data.default_collate
-    for step in range(steps):
-        for m in micro_ids(step):
-            start = step * global_batch + m * micro
-            batch = collate([data[(start + i) % len(data)] for i in range(micro)])
-            torch.manual_seed(seed * 1_000_003 + step * 1009 + m)
-            tape.at(step, m)
-            tape.scale = engine.gradient_accumulation_steps() / engine.loss_scale
-            loss = engine(*batch) if isinstance(batch, (tuple, list)) else engine(batch)
-            engine.backward(loss)
-            if engine.is_gradient_accumulation_boundary():
-                rec.grads_at_step.append(_reduced_grads(engine))
-            engine.step()
-        rec.losses.append(float(engine.last_loss))
-        rec.norms.append(engine.get_global_grad_norm())
-        rec.params.append(_whole(engine, engine.consolidated_state_dict()))
-    rec.outputs, rec.grads = tape.outputs, tape.grads
-    return rec
-
-
 # -- the two runs ---------------------------------------------------------------------------
 
 def _serial_config(cfg: TridentConfig, global_batch: int, micro: int) -> TridentConfig:
@@ -251,14 +139,15 @@ def run_both(cfg: TridentConfig, factory: Factory, steps: int) -> tuple[RunRecor
     serial = None
     if dist.get_rank() == 0:
         model, data = _build(factory, cfg)
-        engine, *_ = trident.initialize(model=model, config=_serial_config(cfg, global_batch, micro), mesh=solo)
-        serial = _run(engine, data, steps, lambda s: list(range(global_batch // micro)), micro, global_batch, cfg.seed)
+        engine, *_ = initialize(model=model, config=_serial_config(cfg, global_batch, micro), mesh=solo)
+        serial = record_run(engine, data, steps, lambda s: list(range(global_batch // micro)), micro, global_batch,
+                            cfg.seed)
         del engine
     collectives.barrier(group=mesh.mesh_group)
     model, data = _build(factory, cfg)
-    engine, *_ = trident.initialize(model=model, config=cfg.model_copy(update=_quiet_sections(cfg)), mesh=mesh)
+    engine, *_ = initialize(model=model, config=cfg.model_copy(update=_quiet_sections(cfg)), mesh=mesh)
     mine = [mesh.dp_rank * gas + k for k in range(gas)]
-    parallel = _run(engine, data, steps, lambda s: mine, micro, global_batch, cfg.seed)
+    parallel = record_run(engine, data, steps, lambda s: mine, micro, global_batch, cfg.seed)
     losses = torch.tensor(parallel.losses, dtype=torch.float64)
     collectives.all_reduce(losses, group=mesh.dp_group)
     parallel.losses = (losses / mesh.dp_size).tolist()
@@ -270,8 +159,6 @@ def verify(cfg: TridentConfig, factory: Factory, steps: int, rtol: float | None 
 
     Collective over the world. `rtol` defaults by precision (verify_compare.default_rtol).
     """
-    from trident.diagnostics.verify_compare import compare, default_rtol, report
-
     serial, parallel, mesh = run_both(cfg, factory, steps)
     box = [serial]
     collectives.broadcast_object_list(box, src=0, group=mesh.mesh_group)
@@ -286,11 +173,11 @@ def verify(cfg: TridentConfig, factory: Factory, steps: int, rtol: float | None 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Worker entry of `trident verify` (python -m trident.diagnostics.verify, under torchrun).
+    """Worker entry of `trident verify` (python -m trident.tools.verify, under torchrun).
 
     Rank 0 prints the report and writes {"ok": bool, "error": str | None} to --result.
     """
-    parser = argparse.ArgumentParser(prog="python -m trident.diagnostics.verify")
+    parser = argparse.ArgumentParser(prog="python -m trident.tools.verify")
     parser.add_argument("--config", required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--model", default=None)

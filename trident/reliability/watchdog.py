@@ -24,11 +24,11 @@ import threading
 import time
 
 from trident.comm import recorder as flight
-from trident.diagnostics.channel import Channel
-from trident.diagnostics.failures import ABORT_EXIT_CODE, flush_and_exit, write_error_file
-from trident.diagnostics.report import divergence_report, failure_line, hang_report
+from trident.reliability.channel import Channel
+from trident.reliability.failures import ABORT_EXIT_CODE, flush_and_exit, write_error_file
+from trident.reliability.report import divergence_report, failure_line, hang_report
 
-_log = logging.getLogger("trident.diagnostics")
+_log = logging.getLogger("trident.reliability")
 _DIAG_DIR = os.path.dirname(os.path.abspath(__file__))
 # A backend error this close to the timeout is the backend's own timeout firing first.
 _TIMEOUT_SLACK = 0.95

@@ -15,9 +15,9 @@ import sys
 import torch.distributed as dist
 
 from trident.comm import recorder as flight
-from trident.diagnostics.channel import Channel
-from trident.diagnostics.failures import FailureHook
-from trident.diagnostics.watchdog import Watchdog, poll_interval
+from trident.reliability.channel import Channel
+from trident.reliability.failures import FailureHook
+from trident.reliability.watchdog import Watchdog, poll_interval
 
 # Strict mode compares running hashes every this many calls per group.
 STRICT_EVERY = 16

@@ -23,10 +23,10 @@ from typing import Callable, Sequence, TextIO
 
 import torch
 
-from trident.diagnostics.gpu_common import FAIL, PASS, SKIP, Outcome
-from trident.diagnostics.gpu_device import memory, offload, overlap, planner_step_time
-from trident.diagnostics.gpu_equivalence import bf16_training, equivalence, pipeline_equivalence, process_group
-from trident.diagnostics.rank_launch import RankError, run_ranks
+from trident.tools.gpu_common import FAIL, PASS, SKIP, Outcome
+from trident.tools.gpu_device import memory, offload, overlap, planner_step_time
+from trident.tools.gpu_equivalence import bf16_training, equivalence, pipeline_equivalence, process_group
+from trident.tools.rank_launch import RankError, run_ranks
 
 
 @dataclass(frozen=True)

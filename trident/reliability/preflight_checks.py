@@ -20,9 +20,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from trident.diagnostics.channel import Channel
-from trident.diagnostics.failures import OneLineError
 from trident.parallel.topology import AXIS_ORDER
+from trident.reliability.channel import Channel
+from trident.reliability.failures import OneLineError
+from trident.version import __version__
 
 _FIELDS = ("world size", "config", "torch version", "trident version", "layout (pp, dp, cp, ep, tp)")
 _rounds: dict[tuple, int] = {}
@@ -38,9 +39,7 @@ def config_hash(cfg) -> str:
 
 
 def _facts(cfg, layout: tuple[int, ...] | None) -> list:
-    import trident
-
-    return [dist.get_world_size(), config_hash(cfg)[:15], torch.__version__, trident.__version__,
+    return [dist.get_world_size(), config_hash(cfg)[:15], torch.__version__, __version__,
             list(layout) if layout is not None else None]
 
 

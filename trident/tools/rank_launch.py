@@ -62,7 +62,7 @@ def _rank_main(rank: int, world: int, port: int, device_type: str, fn: Callable,
         results.put((rank, "error", (f"rank {rank}'s output, last lines:\n{tail}" if tail else "")
                      + traceback.format_exc()))
         return
-    from trident.diagnostics import shutdown
+    from trident.reliability import shutdown
 
     shutdown()  # the hang detector's watchdog first: it talks to the other ranks too
     dist.barrier()  # nobody tears the group down while another rank still uses it
