@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from trident.checkpointing.reshard import CheckpointReader
-from trident.checkpointing.state import MANIFEST, CheckpointError, resolve_tag
+from trident.checkpointing.files import MANIFEST, CheckpointError, resolve_tag
 
 
 def checkpoint_folder(checkpoint_dir: str | Path, tag: str | None = None) -> Path:

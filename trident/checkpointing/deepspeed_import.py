@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from trident.checkpointing.state import (CLIENT_FILE, FORMAT_VERSION, LATEST, MANIFEST, MODEL_FILE, STATE_FILE,
+from trident.checkpointing.files import (CLIENT_FILE, FORMAT_VERSION, LATEST, MANIFEST, MODEL_FILE, STATE_FILE,
                                         CheckpointError, write_hashed)
 
 # DeepSpeed's own entries in a model_states file; every other top-level key is the client state.

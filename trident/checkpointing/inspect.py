@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trident.checkpointing.state import CheckpointError, read_manifest, sha256_of
+from trident.checkpointing.files import CheckpointError, read_manifest, sha256_of
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1,
                 "int8": 1, "bool": 1}

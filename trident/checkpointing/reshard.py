@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from trident.checkpointing.state import (CLIENT_FILE, FORMAT_VERSION, MANIFEST, STATE_FILE, CheckpointError,
+from trident.checkpointing.files import (CLIENT_FILE, FORMAT_VERSION, MANIFEST, STATE_FILE, CheckpointError,
                                         is_partitioned, load_pickle, load_tensors, read_manifest, sha256_of,
                                         write_hashed)
 from trident.tensor_parallel.split import ShardSpec
