@@ -14,17 +14,28 @@ DeepSpeed dialect itself lives in `trident.deepspeed`).
 
 # Registrations, made when these are imported, before anything can load a config or a checkpoint:
 # trident.optim's optimizer and scheduler rules and trident.deepspeed.config's DeepSpeed dialect
-# (with the config loader), trident.deepspeed.checkpoint's importer (with the engine).
+# (with the config loader), trident.deepspeed.checkpoint's importer (with the engine); the GPT
+# presets that `model.preset` names are registered below.
 from trident import checkpointing, comm, hf, ops, optim, pipe, utils, zero
 from trident.deepspeed import checkpoint as _deepspeed_checkpoint  # noqa: F401
 from trident.deepspeed import config as _deepspeed_config  # noqa: F401
 from trident.checkpointing import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
 from trident.comm import init_distributed
 from trident.config import load_config
+from trident.config.loader import register_model_presets
 from trident.deepspeed.config import add_config_arguments
 from trident.engine.build import initialize
 from trident.engine.engine import Engine
 from trident.parallel.mesh import ParallelMesh
+
+
+def _gpt_presets():
+    from trident.models.gpt import GPT_PRESETS  # imported only when a config names a preset
+
+    return GPT_PRESETS
+
+
+register_model_presets(_gpt_presets)  # config checks `model.preset` without importing the models
 
 __version__ = "0.1.0"
 

@@ -58,6 +58,10 @@ def test_config_does_not_import_deepspeed():
             if any(n.startswith("trident.deepspeed") for n in names)} == {}
 
 
+def test_deepspeed_config_imports_only_config():
+    assert outside("deepspeed/config", ("trident.config", "trident.deepspeed.config")) == {}
+
+
 def test_flight_recorder_is_comm_s_and_diagnostics_reads_it():
     from trident import diagnostics
     from trident.comm import recorder

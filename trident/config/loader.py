@@ -27,7 +27,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, TypeVar
+from typing import Any, Callable, Collection, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -243,12 +243,24 @@ def _resolve_typed_sections(cfg: TridentConfig) -> TridentConfig:
     return cfg.model_copy(update=update) if update else cfg
 
 
+_model_presets: Callable[[], Collection[str]] | None = None
+
+
+def register_model_presets(names: Callable[[], Collection[str]]) -> None:
+    """Make `load_config` check `model.preset` against `names()`, called only when a config sets
+    one. The models are above config, so they are registered from above (`import trident` does)."""
+    global _model_presets
+    _model_presets = names
+
+
 def _preset_issues(cfg: TridentConfig) -> list[ConfigIssue]:
-    """`model.preset` names one of trident.models.gpt.GPT_PRESETS (imported only when set)."""
+    """`model.preset` names one of the registered presets (trident.models.gpt.GPT_PRESETS)."""
     if cfg.model.preset is None:
         return []
-    from trident.models.gpt import GPT_PRESETS
-
-    if cfg.model.preset in GPT_PRESETS:
+    if _model_presets is None:
+        raise RuntimeError("no model presets are registered to check `model.preset` against; `import trident` "
+                           "before loading a config")
+    presets = _model_presets()
+    if cfg.model.preset in presets:
         return []
-    return [ConfigIssue("model.preset", unknown_name_message("preset", cfg.model.preset, GPT_PRESETS, name_word=True))]
+    return [ConfigIssue("model.preset", unknown_name_message("preset", cfg.model.preset, presets, name_word=True))]
