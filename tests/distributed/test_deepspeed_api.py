@@ -135,3 +135,30 @@ def zero2_no_sync() -> str:
 
 def test_no_sync_is_refused_by_name_under_zero2():
     assert "not supported under ZeRO stage 2" in run_on_ranks(2, zero2_no_sync)[0]
+
+
+def two_engines() -> dict:
+    """Two engines in one process, each with its comms logger: `engine.comm` logs to its own."""
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "comms_logger": {"enabled": True}}
+    a, *_ = deepspeed.initialize(model=nn.Linear(2, 2), config=config, mesh=cached_mesh())
+    b, *_ = deepspeed.initialize(model=nn.Linear(2, 2), config=config, mesh=cached_mesh())
+    a.comms_logger.reset()
+    b.comms_logger.reset()
+    for _ in range(3):
+        a.comm.all_reduce(torch.ones(1))
+    b.comm.broadcast(torch.ones(1), src=0)
+    a.comm.barrier()
+    process_before = {op: s.calls for op, s in b.comms_logger.totals().items()}
+    deepspeed.comm.all_gather_into_tensor(torch.zeros(2), torch.ones(1))  # the process's: the engine built last
+    return {"a": {op: s.calls for op, s in a.comms_logger.totals().items()},
+            "b": process_before, "b_after": {op: s.calls for op, s in b.comms_logger.totals().items()},
+            "process_is_b": deepspeed.comm.comms_logger() is b.comms_logger}
+
+
+def test_two_engines_in_one_process_log_to_their_own_loggers():
+    r0, r1 = run_on_ranks(2, two_engines)
+    for r in (r0, r1):
+        assert r["a"] == {"all_reduce": 3, "barrier": 1}
+        assert r["b"] == {"broadcast": 1}
+        assert r["process_is_b"] and r["b_after"] == {"broadcast": 1, "all_gather": 1}

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import trident
-from trident.checkpointing.deepspeed_import import import_deepspeed, read_deepspeed
+from trident.deepspeed.checkpoint import import_deepspeed, read_deepspeed
 from trident.checkpointing.state import CheckpointError
 from trident.cli.main import main as trident_main
 from trident.testing.distributed import cached_mesh, cached_solo_mesh, run_on_ranks

@@ -14,7 +14,7 @@ import trident
 import trident as deepspeed
 from trident.cli.config_check import main as config_check
 from trident.config import ConfigError, fill_auto, load_config
-from trident.config.compat import startup_lines
+from trident.deepspeed.config import startup_lines
 
 
 def notes(cfg) -> dict[str, str]:

@@ -105,7 +105,7 @@ def run_export_hf(args: argparse.Namespace) -> int:
 
 
 def run_import_deepspeed(args: argparse.Namespace) -> int:
-    from trident.checkpointing.deepspeed_import import import_deepspeed, read_deepspeed
+    from trident.deepspeed.checkpoint import import_deepspeed, read_deepspeed
 
     def action() -> str:
         folder = import_deepspeed(args.ds_dir, args.out, tag=args.tag)

@@ -14,7 +14,8 @@ import json
 import sys
 
 from trident.cli.args import positive_int
-from trident.config import ConfigError, batch_issues, compat, load_config, resolve_batch
+from trident.config import ConfigError, batch_issues, load_config, resolve_batch
+from trident.deepspeed.config import startup_lines
 
 
 
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as err:
             print(f"{args.file}: {err}", file=sys.stderr)
             return 1
-    for line in compat.startup_lines(list(cfg._notes)):
+    for line in startup_lines(list(cfg._notes)):
         print(line, file=sys.stderr)
     resolved = cfg.to_dict()
     if args.world_size is not None:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from trident.comm.logger import CommsLogger, Span
-from trident.comm import recorder as flight
+import trident.comm.recorder as flight
 
 ReduceOp = dist.ReduceOp
 ProcessGroup = dist.ProcessGroup

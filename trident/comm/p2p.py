@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from trident.comm.collectives import Handle, ProcessGroup, logged_call, to_global_rank
 from trident.comm.logger import CommsLogger
-from trident.comm import recorder as flight
+import trident.comm.recorder as flight
 
 flight.skip_frames_of(__file__)
 

@@ -3,6 +3,8 @@
 `load_config` reads a path, dict or `TridentConfig` and reports every problem at once as a
 `ConfigError`; `resolve_batch` turns the batch-size triangle into concrete sizes for a
 data-parallel size; `fill_auto` fills Hugging Face's `"auto"` values from a `TrainingArguments`.
+This package knows trident's own sections only: DeepSpeed's dialect (and `fill_auto`'s rules)
+is `trident.deepspeed.config`, registered with `dialect` when `import trident` runs.
 """
 
 from trident.config.batch import BatchSizes, batch_issues, resolve_batch

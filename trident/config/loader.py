@@ -2,9 +2,10 @@
 
 The steps, each adding to one list of issues:
 
-  1. read the file (a syntax error names the file, line and column);
-  2. walk the keys against the schema: deprecated aliases are renamed (warned once), real
-     DeepSpeed keys trident lacks get a specific message, other unknown keys a "did you mean";
+  1. read the file (a syntax error names the file, line and column), and let the registered
+     dialect (`trident.config.dialect`: DeepSpeed's) translate it into trident's sections;
+  2. walk the keys against the schema: the dialect's aliases are renamed (deprecated ones warned
+     once), its keys trident lacks get a specific message, other unknown keys a "did you mean";
   3. let pydantic check types and ranges, translated into JSON paths and plain messages;
   4. check `optimizer` and `scheduler` type and params with the rules their owner registered
      (`register_section_rules`), and fill in their defaults so the resolved config shows what
@@ -26,14 +27,15 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, TypeVar
+from typing import Any, Callable, Collection, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from trident.config import compat, hf_auto
+from trident.config.dialect import registered_dialect
 from trident.config.errors import (ROOT, ConfigError, ConfigIssue, describe_value, issues_from_validation_error,
                                    join_path, section_type, unknown_name_message)
-from trident.config.schema import DEPRECATED_ALIASES, SYNONYMS, UNIMPLEMENTED_KEYS, TridentConfig
+from trident.config.notes import Note, is_comment_key
+from trident.config.schema import TridentConfig
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -74,9 +76,9 @@ def _rules(key: str) -> SectionRules:
 def load_config(source: str | os.PathLike | dict | TridentConfig, strict: bool = False) -> TridentConfig:
     """Parse a config from a JSON file path, a dict or an already parsed config.
 
-    DeepSpeed's dialect is read as DeepSpeed reads it (`trident.config.compat`): legacy names
-    renamed, keys with no effect here ignored, unknown top-level keys and comment keys accepted
-    with a note. `strict=True` (or `"strict": true` in the config) makes those unknown keys errors.
+    DeepSpeed's dialect is read as DeepSpeed reads it (the registered dialect,
+    `trident.deepspeed.config`): legacy names renamed, keys with no effect here ignored; unknown
+    top-level keys and comment keys are accepted with a note. `strict=True` (or `"strict": true` in the config) makes those unknown keys errors.
     Raises `ConfigError` listing every problem found (not just the first).
     """
     if isinstance(source, TridentConfig):
@@ -92,8 +94,8 @@ def load_config(source: str | os.PathLike | dict | TridentConfig, strict: bool =
     if not isinstance(flag, bool):
         issues.append(ConfigIssue("strict", f"expected true or false, got {describe_value(flag)}"))
     strict = strict or flag is True
-    data, notes, compat_issues = compat.translate(data)
-    issues += compat_issues + hf_auto.leftover_auto_issues(data, notes)
+    data, notes, dialect_issues = registered_dialect().translate(data)
+    issues += dialect_issues
     cfg, schema_issues = validate_section(TridentConfig, data, "", notes=notes, strict=strict)
     issues += schema_issues + _typed_section_issues(data)
     if cfg is not None and not issues:
@@ -162,18 +164,19 @@ def _check_keys(data: dict, model: type[BaseModel], path: str, issues: list[Conf
     """`data` with aliases renamed and unknown keys dropped (each reported); sections recursed."""
     out: dict[str, Any] = {}
     fields = model.model_fields
-    unimplemented, template = UNIMPLEMENTED_KEYS.get(path, (frozenset(), ""))
+    dialect = registered_dialect()
+    unimplemented, template = dialect.unimplemented.get(path, (frozenset(), ""))
     for key, value in data.items():
         key = str(key)
         full = join_path(path, key)
-        if full in DEPRECATED_ALIASES:
-            new = DEPRECATED_ALIASES[full]
+        if full in dialect.aliases:
+            new = dialect.aliases[full]
             if new in data:
                 issues.append(ConfigIssue(full, f"`{full}` is the old name of `{join_path(path, new)}` and both "
                                                 "are given; keep only the new one"))
                 continue
-            if full not in SYNONYMS:
-                _warn_alias(full, join_path(path, new))
+            if full not in dialect.synonyms:
+                warn_deprecated(full, join_path(path, new), stacklevel=4)
             key, full = new, join_path(path, new)
         if key not in fields:
             if key in unimplemented:
@@ -184,7 +187,7 @@ def _check_keys(data: dict, model: type[BaseModel], path: str, issues: list[Conf
                                                     "(without strict it would be ignored with a warning, as "
                                                     "DeepSpeed ignores it)"))
                 else:
-                    notes.append(compat.Note(full, "unknown", "comment" if compat.is_comment_key(key) else "unknown"))
+                    notes.append(Note(full, "unknown", "comment" if is_comment_key(key) else "unknown"))
             else:
                 issues.append(ConfigIssue(full, unknown_name_message("key", key, fields)))
             continue
@@ -203,7 +206,7 @@ key and ignored, as DeepSpeed does."""
 def _tolerated(key: str, path: str, fields: dict) -> bool:
     """Comment keys anywhere, and top-level keys that are not near-misses of a known key (inside a
     section DeepSpeed, like trident, rejects unknown keys)."""
-    if compat.is_comment_key(key):
+    if is_comment_key(key):
         return True
     if path != "":
         return False
@@ -213,10 +216,14 @@ def _tolerated(key: str, path: str, fields: dict) -> bool:
     return not difflib.get_close_matches(key, list(fields), n=1, cutoff=TYPO_CUTOFF)
 
 
-def _warn_alias(old: str, new: str) -> None:
+def warn_deprecated(old: str, new: str, stacklevel: int) -> None:
+    """Warn once per process that config key `old` is deprecated in favour of `new` (the loader's
+    renamed aliases and a dialect's legacy names share the one set of keys already warned about).
+    `stacklevel` counts from the caller of this function."""
     if old not in _warned_aliases:
         _warned_aliases.add(old)
-        warnings.warn(f"config key `{old}` is deprecated; write `{new}` instead", FutureWarning, stacklevel=5)
+        warnings.warn(f"config key `{old}` is deprecated; write `{new}` instead", FutureWarning,
+                      stacklevel=stacklevel + 1)
 
 
 def _typed_section_issues(data: dict) -> list[ConfigIssue]:
@@ -236,12 +243,24 @@ def _resolve_typed_sections(cfg: TridentConfig) -> TridentConfig:
     return cfg.model_copy(update=update) if update else cfg
 
 
+_model_presets: Callable[[], Collection[str]] | None = None
+
+
+def register_model_presets(names: Callable[[], Collection[str]]) -> None:
+    """Make `load_config` check `model.preset` against `names()`, called only when a config sets
+    one. The models are above config, so they are registered from above (`import trident` does)."""
+    global _model_presets
+    _model_presets = names
+
+
 def _preset_issues(cfg: TridentConfig) -> list[ConfigIssue]:
-    """`model.preset` names one of trident.models.gpt.GPT_PRESETS (imported only when set)."""
+    """`model.preset` names one of the registered presets (trident.models.gpt.GPT_PRESETS)."""
     if cfg.model.preset is None:
         return []
-    from trident.models.gpt import GPT_PRESETS
-
-    if cfg.model.preset in GPT_PRESETS:
+    if _model_presets is None:
+        raise RuntimeError("no model presets are registered to check `model.preset` against; `import trident` "
+                           "before loading a config")
+    presets = _model_presets()
+    if cfg.model.preset in presets:
         return []
-    return [ConfigIssue("model.preset", unknown_name_message("preset", cfg.model.preset, GPT_PRESETS, name_word=True))]
+    return [ConfigIssue("model.preset", unknown_name_message("preset", cfg.model.preset, presets, name_word=True))]

@@ -24,14 +24,16 @@ from typing import Any, Callable, Iterable
 import torch
 
 from trident.comm import collectives
-from trident.comm import deepspeed_api
 from trident.comm.backend import init_distributed
 from trident.comm.logger import CommsLogger
 from trident.data_parallel.compressed import CompressedStrategy, check_zero_stage, is_compressed
-from trident.config import TridentConfig, compat, hf_auto, load_config, resolve_batch
+from trident.config import TridentConfig, load_config, resolve_batch
 from trident.config.loader import read_json
+from trident.config.notes import unknown_line
 from trident.data_parallel.reducer import GradientReducer, communication_dtype
 from trident.data_parallel.replicated import ReplicatedOptimizer
+import trident.deepspeed.comm as deepspeed_comm
+from trident.deepspeed.config import fill_from_run, ignored_line
 from trident.engine.assembly import attach_data_and_resume, cast_to_compute_dtype, loss_scaler_for, monitors_for
 from trident.engine.compile import apply_compile, compile_scope
 from trident.engine.engine import Engine
@@ -88,7 +90,7 @@ def initialize(
                                            collate_fn=collate_fn, mesh=mesh)
 
     if mesh is None and mpu is not None:
-        from trident.engine.deepspeed_compat import mesh_from_mpu
+        from trident.deepspeed.engine.mpu import mesh_from_mpu
         env = init_distributed(timeout_s=cfg.distributed.timeout_s)
         preflight(cfg)
         cfg, mesh = mesh_from_mpu(mpu, cfg, env.device.type)
@@ -116,7 +118,7 @@ def initialize(
                         ha.trim_threshold_mb)
 
     comms_logger = CommsLogger(**cfg.comms_logger.model_dump())
-    deepspeed_api.configure(logger=comms_logger)  # deepspeed.comm calls in the script log here too
+    deepspeed_comm.configure(logger=comms_logger)  # a bare deepspeed.comm call logs here, as in DeepSpeed
     if mesh.tp_size > 1 or cfg.tensor_parallel.plan is not None:
         from trident.tensor_parallel import apply_tensor_parallel
         model = apply_tensor_parallel(model, cfg.tensor_parallel, mesh, logger=comms_logger)
@@ -157,9 +159,9 @@ def initialize(
     engine.compile_report = compile_report  # graph breaks per compiled block, filled on the first step
     engine.parameter_counts = counts  # this rank's (tp / pp local) elements, before any ZeRO partitioning
     _log_startup(engine, device)
-    if (line := compat.ignored_line(list(cfg._notes))) is not None:
+    if (line := ignored_line(list(cfg._notes))) is not None:
         logger.info(line)
-    if (line := compat.unknown_line(list(cfg._notes))) is not None:
+    if (line := unknown_line(list(cfg._notes))) is not None:
         logger.warning(line)
     loader = attach_data_and_resume(engine, cfg, training_data, collate_fn, data_parallel_size(mesh),
                                     data_parallel_rank(mesh))
@@ -168,11 +170,11 @@ def initialize(
 
 def _load_for_run(source, model, optimizer, lr_scheduler) -> TridentConfig:
     """The config, with what the run itself tells filled in: Hugging Face `"auto"` values the
-    model or a client optimizer settle (`hf_auto.fill_from_run`), and a DeepSpeed
+    model or a client optimizer settle (`trident.deepspeed.config.fill_from_run`), and a DeepSpeed
     PipelineModule's stage count when the config does not give one."""
     if not isinstance(source, TridentConfig):
         data = read_json(source) if not isinstance(source, dict) else source
-        source = hf_auto.fill_from_run(data, model, optimizer, lr_scheduler)
+        source = fill_from_run(data, model, optimizer, lr_scheduler)
     cfg = load_config(source)
     if isinstance(model, PipelineModule) and cfg.pipeline.stages == 1 and model.num_stages > 1:
         pipe = cfg.pipeline.model_copy(update={"stages": model.num_stages,

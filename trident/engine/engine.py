@@ -19,6 +19,7 @@ import torch.distributed as dist
 from trident.comm import collectives
 from trident.comm.logger import CommsLogger
 from trident.config.batch import BatchGetters, BatchSizes
+from trident.deepspeed.engine.api import DeepSpeedEngineAPI
 from trident.engine.strategy import GradientStrategy, RemoteStrategy
 from trident.engine.timers import Timers
 from trident.moe.parallel import moe_events, moe_summary
@@ -50,7 +51,7 @@ class EngineRanks:
         return cls(mesh.mesh_rank, mesh.world_size, mesh.dp_rank, mesh.dp_size, mesh.mesh_rank == 0, mesh.mesh_group)
 
 
-class Engine(BatchGetters, torch.nn.Module):
+class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
     """What `trident.initialize` returns; call it like the model, then backward and step."""
 
     def __init__(
@@ -145,65 +146,6 @@ class Engine(BatchGetters, torch.nn.Module):
     def get_global_grad_norm(self) -> float | None:
         """Norm of the averaged gradient at the last optimizer step, before clipping."""
         return self._global_grad_norm
-
-    # -- DeepSpeed's engine API (what scripts call besides forward/backward/step) -------------
-
-    @property
-    def device(self) -> torch.device:
-        """The device the model computes on."""
-        return next(self.module.parameters(), torch.empty(0)).device
-
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its node (LOCAL_RANK, as DeepSpeed reports it)."""
-        import os
-        return int(os.environ.get("LOCAL_RANK", 0))
-
-    def zero_optimization_stage(self) -> int:
-        return self.strategy.zero_stage
-
-    def was_step_applied(self) -> bool:
-        """False when the last optimizer step was skipped (fp16 overflow, or a skipped non-finite step)."""
-        return not self.last_step_overflowed
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Say whether the coming backward and step end an accumulation window, overriding the
-        count (DeepSpeed's escape hatch for loops that vary their accumulation)."""
-        self._boundary_override = bool(is_boundary)
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        if getattr(self, "_no_sync", False):
-            return False
-        override = getattr(self, "_boundary_override", None)
-        return super().is_gradient_accumulation_boundary() if override is None else override
-
-    def no_sync(self):
-        """Context in which backward accumulates gradients locally without communicating.
-        Refused under ZeRO stages 2-3, which reduce gradients into partitions during backward."""
-        import contextlib
-
-        if self.zero_optimization_stage() >= 2:
-            raise RuntimeError(f"engine.no_sync() is not supported under ZeRO stage {self.zero_optimization_stage()}: "
-                               "gradients are partitioned as backward runs (DeepSpeed refuses it too)")
-
-        @contextlib.contextmanager
-        def local_backward():
-            self._no_sync = True
-            try:
-                yield
-            finally:
-                self._no_sync = False
-        return local_backward()
-
-    def train_batch(self, data_iter=None):
-        raise RuntimeError("engine.train_batch() is the pipeline engine's (model built as trident.pipe."
-                           "PipelineModule); for this engine call loss = engine(inputs), engine.backward(loss), "
-                           "engine.step()")
-
-    def eval_batch(self, data_iter=None, *args, **kwargs):
-        raise RuntimeError("engine.eval_batch() is the pipeline engine's (model built as trident.pipe."
-                           "PipelineModule); for this engine call engine.eval() and engine(inputs) under "
-                           "torch.no_grad()")
 
     # -- training --------------------------------------------------------------------------
 
@@ -495,14 +437,10 @@ class Engine(BatchGetters, torch.nn.Module):
 
         A DeepSpeed checkpoint folder is converted first (`trident checkpoint import-deepspeed`,
         into a temporary folder on every rank) and then loaded like a trident checkpoint."""
-        from trident.checkpointing import deepspeed_import
-        if deepspeed_import.is_deepspeed_checkpoint(load_dir, tag):
-            import tempfile
-            with tempfile.TemporaryDirectory(prefix="trident-ds-import-") as tmp:
-                folder = deepspeed_import.import_deepspeed(load_dir, f"{tmp}/ckpt", tag)
-                _, client_state = self.load_checkpoint(str(folder.parent), folder.name, load_optimizer_states,
-                                                       load_lr_scheduler_states, load_module_only)
-            return f"{load_dir}/{folder.name}", client_state
+        imported = self._load_imported_checkpoint(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                                  load_module_only)
+        if imported is not None:
+            return imported
         if isinstance(self.strategy, RemoteStrategy):
             return self.strategy.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                                  load_lr_scheduler_states, load_module_only)

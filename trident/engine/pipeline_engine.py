@@ -124,7 +124,7 @@ class PipelineEngine(Engine):
         if self.training_dataloader is None:
             return None
         if getattr(self, "_repeating", None) is None:
-            from trident.utils.repeating_loader import RepeatingLoader
+            from trident.data.repeating_loader import RepeatingLoader
             self._repeating = RepeatingLoader(self.training_dataloader)
         return self._repeating
 

@@ -1,4 +1,4 @@
-"""`deepspeed.ops`' names for the optimizers a DeepSpeed script imports (`trident.ops.adam`)."""
+"""`deepspeed.ops`' names, as `import trident as deepspeed` finds them (`trident.deepspeed.ops`)."""
 
 from trident.ops import adam
 

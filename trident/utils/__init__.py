@@ -1,7 +1,6 @@
-"""`deepspeed.utils`' names a training script imports: `zero_to_fp32`, `RepeatingLoader`, `logger`."""
+"""`deepspeed.utils`' names, as `import trident as deepspeed` finds them (`trident.deepspeed.utils`)."""
 
-from trident.monitor.log import logger
+from trident.deepspeed.utils import RepeatingLoader, logger
 from trident.utils import zero_to_fp32
-from trident.utils.repeating_loader import RepeatingLoader
 
 __all__ = ["RepeatingLoader", "logger", "zero_to_fp32"]

@@ -1,4 +1,5 @@
-"""DeepSpeed's config dialect, read the way DeepSpeed 0.19 reads it.
+"""DeepSpeed's config dialect, read the way DeepSpeed 0.19 reads it (`trident.config` knows only
+trident's own sections; this runs first, through the dialect `trident.deepspeed.config` registers).
 
 A DeepSpeed config copied from a public repository carries keys trident has no use for. This
 module sorts every such key, before the schema sees the config, into one of three kinds:
@@ -17,27 +18,15 @@ the schema); `strict` turns those warnings into errors there.
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from trident.config.errors import ConfigIssue, join_path
+from trident.config.loader import warn_deprecated
+from trident.config.notes import Note, unknown_line
 
 ANY = object()
 """Every value of the key is harmless."""
-
-
-@dataclass(frozen=True)
-class Note:
-    """A key the loader accepted without using: `kind` is "ignored" (a known DeepSpeed key with
-    no effect here) or "unknown" (no such key anywhere; DeepSpeed ignores it too)."""
-
-    path: str
-    kind: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.path} ({self.reason})"
 
 
 @dataclass(frozen=True)
@@ -249,17 +238,7 @@ def _legacy_names(data: dict) -> dict:
 
 
 def _deprecated(old: str, new: str) -> None:
-    from trident.config import loader  # its set of names already warned about, shared with its own aliases
-
-    if old not in loader._warned_aliases:
-        loader._warned_aliases.add(old)
-        warnings.warn(f"config key `{old}` is deprecated; write `{new}` instead",
-                      FutureWarning, stacklevel=6)
-
-
-def is_comment_key(key: str) -> bool:
-    """`_comment`, `_note`, `comment`: documentation inside a JSON file, as DeepSpeed configs write it."""
-    return key.startswith("_") or key.lower() in ("comment", "comments")
+    warn_deprecated(old, new, stacklevel=7)  # the loader's once-per-process set, shared with its own aliases
 
 
 def ignored_line(notes: list[Note]) -> str | None:
@@ -270,31 +249,6 @@ def ignored_line(notes: list[Note]) -> str | None:
     return f"config: {len(ignored)} DeepSpeed key(s) ignored, no effect here: " + "; ".join(str(n) for n in ignored)
 
 
-def unknown_line(notes: list[Note]) -> str | None:
-    """One line naming the unknown and comment keys (a warning: they may be typos of nothing)."""
-    unknown = [n for n in notes if n.kind == "unknown"]
-    if not unknown:
-        return None
-    return (f"config: {len(unknown)} unknown key(s) ignored, as DeepSpeed ignores them (\"strict\": true makes "
-            "them errors): " + ", ".join(n.path for n in unknown))
-
-
 def startup_lines(notes: list[Note]) -> list[str]:
     """At most two lines: the ignored DeepSpeed keys (with reasons), and the unknown keys."""
     return [line for line in (ignored_line(notes), unknown_line(notes)) if line]
-
-
-def add_config_arguments(parser):
-    """DeepSpeed's command-line flags on `parser` (an argparse parser), returned: `--deepspeed`
-    (use the engine), `--deepspeed_config FILE`, their legacy `--deepscale` spellings, and
-    trident's own `--trident` / `--trident_config` as aliases of the same two settings."""
-    group = parser.add_argument_group("DeepSpeed", "DeepSpeed-compatible configuration (trident)")
-    group.add_argument("--deepspeed", "--trident", dest="deepspeed", default=False, action="store_true",
-                       help="train with the engine (DeepSpeed's flag; trident always does)")
-    group.add_argument("--deepspeed_config", "--trident_config", dest="deepspeed_config", default=None, type=str,
-                       help="JSON config file")
-    group.add_argument("--deepscale", default=False, action="store_true", help="legacy name of --deepspeed")
-    group.add_argument("--deepscale_config", default=None, type=str, help="legacy name of --deepspeed_config")
-    group.add_argument("--deepspeed_mpi", default=False, action="store_true",
-                       help="accepted; trident starts from torchrun's environment, not MPI")
-    return parser

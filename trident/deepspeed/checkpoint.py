@@ -23,7 +23,8 @@ plain record (`_Record`), so DeepSpeed is never imported and no code from the fi
 state by name, buffers, counters. `import_deepspeed` writes it as a trident checkpoint in
 stage-0 form (one model file, one optimizer file keyed by name, as `trident checkpoint reshard`
 writes), which then loads under any trident layout. Everything is read and checked before
-anything is written; the output appears atomically.
+anything is written; the output appears atomically. Importing this module registers it with
+the engine (`register_checkpoint_importer`), so `engine.load_checkpoint` reads DeepSpeed folders.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from trident.checkpointing.files import (CLIENT_FILE, FORMAT_VERSION, LATEST, MANIFEST, MODEL_FILE, STATE_FILE,
                                         CheckpointError, write_hashed)
+from trident.deepspeed.engine.api import register_checkpoint_importer
 
 # DeepSpeed's own entries in a model_states file; every other top-level key is the client state.
 DEEPSPEED_KEYS = frozenset({
@@ -468,3 +470,6 @@ def _write(ds: DeepSpeedState, folder: Path) -> None:
         "files": {f: {"sha256": digest, "bytes": (folder / f).stat().st_size} for f, digest in sorted(files.items())},
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+register_checkpoint_importer(is_deepspeed_checkpoint, import_deepspeed)

@@ -1,4 +1,5 @@
-"""`deepspeed.utils.RepeatingLoader`: a data loader that starts over when it runs out."""
+"""A data loader that starts over when it runs out (`deepspeed.utils.RepeatingLoader`; the pipeline
+engine repeats its training loader with it)."""
 
 from __future__ import annotations
 
