@@ -13,7 +13,7 @@ and `checkpointing` carry DeepSpeed's module names (thin layers over trident's o
 
 # trident.optim registers its optimizer and scheduler rules with the config loader when imported;
 # importing it here, before anything can load a config, means `load_config` always has them.
-from trident import checkpointing, comm, hf, ops, optim, pipe, utils, zero
+from trident import checkpointing, comm, hf, models, ops, optim, pipe, utils, zero
 from trident.checkpointing import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
 from trident.comm import init_distributed
 from trident.config import load_config

@@ -22,7 +22,7 @@ from torch import nn
 import trident
 from tests.distributed.test_lora_export import CausalLMLoss
 from trident.engine.pipeline_engine import PipelineEngine
-from trident.pipeline.hf import from_hf, hf_shard_specs, hf_state_dict, load_hf_state_dict
+from trident.pipeline import from_hf, hf_shard_specs, hf_state_dict, load_hf_state_dict
 from trident.tensor_parallel import merge_state_dicts, parallelize
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import (assert_losses_close, assert_norms_close, assert_state_close,

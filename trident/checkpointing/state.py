@@ -271,8 +271,9 @@ def _write_manifest(engine, folder: Path, tag: str, checksums: dict[str, str], t
     record = {"r": lora.r, "alpha": lora.alpha} if lora is not None else lora_record(engine.module)
     if record is not None:  # the adapters' scaling, alpha / r: `trident checkpoint merge-lora` needs it
         manifest["lora"] = record
-    from trident.hf.export import hf_record
-    hf = hf_record(engine.module)
+    from trident.parallel.adapter import adapter_for
+    adapter = adapter_for(engine.module)
+    hf = adapter.export_record() if adapter is not None else None
     if hf is not None:  # a transformers model inside: its config and names, for `trident checkpoint export-hf`
         manifest["hf"] = hf
     tmp = folder / f".{MANIFEST}.tmp"
