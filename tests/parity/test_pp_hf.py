@@ -50,8 +50,17 @@ CONFIGS = {
     "neox": lambda: transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                               num_hidden_layers=2, num_attention_heads=4,
                                               max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0),
+    "mixtral": lambda: transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 num_local_experts=4, num_experts_per_tok=2,
+                                                 max_position_embeddings=SEQ),  # tests/parity/test_mixtral.py
+    "olmo": lambda: transformers.OlmoConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           max_position_embeddings=SEQ, clip_qkv=2.0, pad_token_id=1,
+                                           eos_token_id=0),  # tests/parity/test_olmo.py, docs/models.md
 }
-TP_PLAN = {"llama": "hf", "llama_tied": "hf", "qwen2": "hf", "neox": "hf", "gpt2": "auto"}
+TP_PLAN = {"llama": "hf", "llama_tied": "hf", "qwen2": "hf", "neox": "hf", "gpt2": "auto", "mixtral": "hf",
+           "olmo": "hf"}
 
 
 def make(kind: str, attn: str = "eager") -> nn.Module:
