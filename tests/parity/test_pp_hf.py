@@ -56,7 +56,7 @@ CONFIGS = {
                                                  max_position_embeddings=SEQ),  # tests/parity/test_mixtral.py
     "olmo": lambda: transformers.OlmoConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                           max_position_embeddings=SEQ, clip_qkv=2.0, pad_token_id=1,
+                                           max_position_embeddings=SEQ, clip_qkv=2.0, pad_token_id=None,
                                            eos_token_id=0),  # tests/parity/test_olmo.py, docs/models.md
 }
 TP_PLAN = {"llama": "hf", "llama_tied": "hf", "qwen2": "hf", "neox": "hf", "gpt2": "auto", "mixtral": "hf",

@@ -72,10 +72,8 @@ class TransformersAdapter:
         return [(f"{prefix}.{i}", layer) for i, layer in enumerate(layers)]
 
     def embedding_and_head(self) -> tuple[str, str]:
-        base = self.lm.base_model if self.lm is not None else None
-        if base is None:
-            raise ValueError(f"{type(self.root).__name__} holds no transformers causal LM with an output head")
-        embed = getattr(base, self.decoder_layout().before[0])
+        layout = self.decoder_layout()  # raises when there is no causal LM
+        embed = getattr(self.lm.base_model, layout.before[0])
         return name_of(self.root, embed), name_of(self.root, self.lm.get_output_embeddings())
 
     # -- tensor parallelism -----------------------------------------------------------------------
