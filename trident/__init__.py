@@ -14,9 +14,9 @@ DeepSpeed dialect itself lives in `trident.deepspeed`).
 
 # Registrations, made when these are imported, before anything can load a config or a checkpoint:
 # trident.optim's optimizer and scheduler rules and trident.deepspeed.config's DeepSpeed dialect
-# (with the config loader), trident.deepspeed.checkpoint's importer (with the engine); the GPT
-# presets that `model.preset` names are registered below.
-from trident import checkpointing, comm, hf, ops, optim, pipe, utils, zero
+# (with the config loader), trident.deepspeed.checkpoint's importer (with the engine), the model
+# families' adapters (trident.models); the GPT presets that `model.preset` names are registered below.
+from trident import checkpointing, comm, hf, models, ops, optim, pipe, utils, zero
 from trident.deepspeed import checkpoint as _deepspeed_checkpoint  # noqa: F401
 from trident.deepspeed import config as _deepspeed_config  # noqa: F401
 from trident.checkpointing import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint

@@ -227,7 +227,7 @@ def test_export_is_read_by_transformers_alone(tmp_path, kind, layout):
 def train_pp_and_export(folder: str, out: str, ckpt: str, tp: int = 1):
     """pp=2 (the model split by trident.initialize with `trident.pipeline.from_hf`), 1F1B; with
     `tp` each stage split by the model's plan too."""
-    from trident.pipeline.hf import hf_shard_specs, hf_state_dict
+    from trident.pipeline import hf_shard_specs, hf_state_dict
     mesh = cached_mesh(pp=2, tp=tp)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 0,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "pipeline": {"stages": 2, "schedule": "1f1b"},

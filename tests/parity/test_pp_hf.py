@@ -22,7 +22,7 @@ from torch import nn
 import trident
 from tests.distributed.test_lora_export import CausalLMLoss
 from trident.engine.pipeline_engine import PipelineEngine
-from trident.pipeline.hf import from_hf, hf_shard_specs, hf_state_dict, load_hf_state_dict
+from trident.pipeline import from_hf, hf_shard_specs, hf_state_dict, load_hf_state_dict
 from trident.tensor_parallel import merge_state_dicts, parallelize
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import (assert_losses_close, assert_norms_close, assert_state_close,
@@ -50,8 +50,17 @@ CONFIGS = {
     "neox": lambda: transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                               num_hidden_layers=2, num_attention_heads=4,
                                               max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0),
+    "mixtral": lambda: transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 num_local_experts=4, num_experts_per_tok=2,
+                                                 max_position_embeddings=SEQ),  # tests/parity/test_mixtral.py
+    "olmo": lambda: transformers.OlmoConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           max_position_embeddings=SEQ, clip_qkv=2.0, pad_token_id=None,
+                                           eos_token_id=0),  # tests/parity/test_olmo.py, docs/models.md
 }
-TP_PLAN = {"llama": "hf", "llama_tied": "hf", "qwen2": "hf", "neox": "hf", "gpt2": "auto"}
+TP_PLAN = {"llama": "hf", "llama_tied": "hf", "qwen2": "hf", "neox": "hf", "gpt2": "auto", "mixtral": "hf",
+           "olmo": "hf"}
 
 
 def make(kind: str, attn: str = "eager") -> nn.Module:

@@ -136,6 +136,6 @@ def run_reshard(args: argparse.Namespace) -> int:
 
 
 def run_merge_lora(args: argparse.Namespace) -> int:
-    from trident.peft.merge import merge_lora_checkpoint
+    from trident.checkpointing.lora import merge_lora_checkpoint
     return _run("merge-lora", lambda: merge_lora_checkpoint(args.checkpoint_dir, args.out, tag=args.tag,
                                                             scaling=args.scaling)[1])

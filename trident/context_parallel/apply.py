@@ -2,12 +2,14 @@
 
 A model takes part in one of three ways:
   - it has `parallelize_context(cp)` (trident's GPT and its pipeline layers): it shards its
-    inputs, uses global positions, calls `attention` and averages its loss over all tokens;
+    inputs, uses global positions, calls `attention` with its handle and averages its loss over
+    all tokens;
   - it sets `context_parallel_aware = True` and does those things itself with
     `shard_batch`, `ContextParallel.positions`, `attention` and `ContextParallel.global_mean`
     (the handle is `model.context_parallel`, and `current()` while the model runs).
-  - it is (or holds) an unmodified `transformers` causal LM: its attention implementation and
-    its inputs and loss are adapted from outside (`trident.context_parallel.hf`).
+  - its model family knows how (`ModelAdapter.parallelize_context`, trident.parallel.adapter):
+    GPT inside a wrapper; an unmodified `transformers` causal LM gets its attention
+    implementation, inputs and loss adapted from outside (`trident.models.transformers`).
 Any other model is refused: its attention would see only its own shard and train wrongly.
 """
 
@@ -19,19 +21,19 @@ from torch import nn
 from trident.comm.logger import CommsLogger
 from trident.context_parallel.attention import bind, current
 from trident.context_parallel.layout import ContextParallel
+from trident.parallel.adapter import adapter_for
 
 
 def apply_context_parallel(model: nn.Module, section, mesh, logger: CommsLogger | None = None) -> ContextParallel:
     """Give `model` (or each layer of a PipelineModule) the cp handle of `mesh`; returns it."""
     cp = ContextParallel.from_mesh(mesh, section.method, section.ulysses_size, logger)
-    targets = _aware_modules(model)
-    if not targets:
-        from trident.context_parallel.hf import parallelize_transformers
-        from trident.pipeline.hf import find_causal_lm
-        if find_causal_lm(model) is not None:  # an unmodified transformers model: its attention is swapped
-            parallelize_transformers(model, cp)
+    if not _is_aware(model):
+        adapter = adapter_for(model)  # the model's family: GPT inside a wrapper, a transformers model
+        if adapter is not None and adapter.parallelize_context(cp):
             bind(model, cp)
             return cp
+    targets = _aware_modules(model)
+    if not targets:
         raise ValueError(
             f"context_parallel.size={cp.size}: {type(model).__name__} has no context-parallel attention. "
             f"A model runs under cp when it (or a layer of a PipelineModule) has parallelize_context(cp) "
@@ -45,10 +47,14 @@ def apply_context_parallel(model: nn.Module, section, mesh, logger: CommsLogger 
     return cp
 
 
+def _is_aware(model: nn.Module) -> bool:
+    return hasattr(model, "parallelize_context") or getattr(model, "context_parallel_aware", False)
+
+
 def _aware_modules(model: nn.Module) -> list:
     """What takes the handle: the model if it is aware; else (a PipelineModule's stage, a wrapper)
     every submodule with `parallelize_context`, and the loss function if it has one."""
-    if hasattr(model, "parallelize_context") or getattr(model, "context_parallel_aware", False):
+    if _is_aware(model):
         return [model]
     aware = [m for m in model.modules() if hasattr(m, "parallelize_context")]
     loss_fn = getattr(model, "loss_fn", None)

@@ -10,8 +10,9 @@ order (`ContextParallel.shard`). The method decides how the other ranks' tokens 
     hybrid    Ulysses inside groups of `ulysses_size` ranks, the ring across the groups
 
 Which `ContextParallel` applies: the `cp=` argument, else the one bound to the model that is
-running (`bind`, done by `trident.initialize`), else none: then, and at cp = 1, this is plain
-causal attention, so the same model code runs with and without cp.
+running in this thread (`bind`, done by `trident.initialize`: the model holds its handle, its
+forward makes it current), else none: then, and at cp = 1, this is plain causal attention, so
+the same model code runs with and without cp.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 import weakref
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Callable
 
 import torch
@@ -29,9 +31,6 @@ from trident.comm import collectives
 from trident.context_parallel.layout import ContextParallel, document_mask
 from trident.context_parallel.ring import RingAttention, RingPlan
 from trident.context_parallel.ulysses import gather_docs, natural_order, to_heads, to_sequence
-
-_active: list[ContextParallel] = []  # the handle of the model running now (innermost last)
-
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
               doc_ids: torch.Tensor | None = None, *, cp: ContextParallel | None = None,
@@ -121,37 +120,45 @@ def _local_attention(q, k, v, causal, doc_ids, scale):
 
 # -- which handle applies -------------------------------------------------------------------------
 
+# The handle of the model running now, in this thread or task. A model holds its handle itself
+# (`model.context_parallel`, set by `bind`); its forward makes it the running one and restores the
+# previous one after, so two models with different cp settings in one process (one inside the
+# other's forward, or in two threads) each see their own.
+_RUNNING: ContextVar[ContextParallel | None] = ContextVar("trident_context_parallel", default=None)
+
 
 def current() -> ContextParallel | None:
-    """The ContextParallel of the model running now (bound by `bind`), or None."""
-    return _active[-1] if _active else None
+    """The ContextParallel of the model running now (bound by `bind`, or `using`), or None."""
+    return _RUNNING.get()
 
 
 @contextmanager
-def using(cp: ContextParallel):
-    """Make `cp` the handle `attention`, `shard` and friends use inside the block."""
-    _active.append(cp)
+def using(cp: ContextParallel | None):
+    """Make `cp` the handle `attention`, `shard_batch` and friends use inside the block."""
+    token = _RUNNING.set(cp)
     try:
         yield cp
     finally:
-        _active.pop()
+        _RUNNING.reset(token)
 
 
-def bind(model: nn.Module, cp: ContextParallel) -> None:
-    """While `model` runs its forward, `cp` is the current handle (and `model.context_parallel`
-    holds it). Activation checkpointing's recompute happens in the backward, outside the
-    forward: models that recompute attention keep their handle themselves (GPT does)."""
+def bind(model: nn.Module, cp: ContextParallel | None) -> None:
+    """Give `model` its handle (`model.context_parallel`; None: it runs without cp again): while
+    it runs its forward, `cp` is the current handle. Activation checkpointing's recompute happens
+    in the backward, outside the forward: models that recompute attention keep their handle
+    themselves and pass it as `attention(..., cp=)` (GPT does)."""
     model.context_parallel = cp
-    if getattr(model, "_trident_cp_bound", False):
+    if hasattr(model, "_context_parallel_tokens"):
         return
+    model._context_parallel_tokens = []  # one per forward of this model running now
     model.register_forward_pre_hook(_enter)
     model.register_forward_hook(_leave, always_call=True)
-    model._trident_cp_bound = True
 
 
 def _enter(module: nn.Module, args) -> None:
-    _active.append(module.context_parallel)
+    module._context_parallel_tokens.append(_RUNNING.set(module.context_parallel))
 
 
 def _leave(module: nn.Module, args, output) -> None:
-    _active.pop()
+    if module._context_parallel_tokens:  # empty if an earlier pre-hook raised before _enter ran
+        _RUNNING.reset(module._context_parallel_tokens.pop())

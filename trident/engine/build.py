@@ -44,6 +44,7 @@ from trident.monitor.log import format_bytes, logger, setup_logging
 from trident.optim.factory import build_optimizer
 from trident.optim.schedulers import build_scheduler
 from trident.moe.parallel import apply_expert_parallel, describe_moe, is_expert
+from trident.parallel.adapter import adapter_for
 from trident.parallel.mesh import DENSE_GRADIENT_AXES, ParallelMesh, gradient_group
 from trident.pipeline.module import PipelineModule
 from trident.precision.mixed import MasterWeights, retarget_optimizer
@@ -104,11 +105,10 @@ def initialize(
     setup_logging(mesh.global_rank)
     batch = resolve_batch(cfg, data_parallel_size(mesh))
     if cfg.pipeline.stages > 1 and not isinstance(model, PipelineModule):
-        from trident.pipeline.hf import find_causal_lm, from_hf
-        if find_causal_lm(model) is not None:  # a transformers causal LM: split into this rank's stage
-            pp = cfg.pipeline
-            model = from_hf(model, pp.stages, partition_method=pp.partition_method,
-                            virtual_stages=pp.virtual_stages, stage_id=mesh.pp_rank)
+        adapter, pp = adapter_for(model), cfg.pipeline  # a family that splits built models (transformers)
+        stage = None if adapter is None else adapter.split_pipeline(
+            pp.stages, partition_method=pp.partition_method, virtual_stages=pp.virtual_stages, stage_id=mesh.pp_rank)
+        model = stage if stage is not None else model
     place_on_device(model, engine_device(mesh), cfg)
     device = _model_device(model)
     if device.type == "cpu" and cfg.host_allocator.enabled:

@@ -1,11 +1,12 @@
 """`compile`: torch.compile each transformer block after parallelization, as torchtitan does.
 
 Which modules are blocks:
-  a PipelineModule           each of this stage's numbered layers (a transformers decoder-layer
-                             wrapper: the model's own layer inside it)
-  a transformers causal LM   each decoder layer (the ModuleList its pipeline plan names)
-  anything else              the children of the first ModuleList named blocks, layers or h
-                             (trident's GPT: `blocks`); with none, the whole model
+  a PipelineModule           each of this stage's numbered layers with parameters (a decoder-layer
+                             wrapper its adapter names: the model's own layer inside it)
+  a model with an adapter    each decoder layer its `ModelAdapter` names (trident.parallel.adapter:
+                             GPT's `blocks`, a transformers causal LM's decoder layers)
+  anything else              the children of the first ModuleList named blocks, layers or h; with
+                             none, the whole model
 
 Each block is compiled in place (`nn.Module.compile`'s mechanism: the module's call goes
 through a compiled function set as its `_compiled_call_impl`), so parameter and state-dict
@@ -35,6 +36,9 @@ import torch
 from torch import nn
 
 from trident.monitor.log import logger
+from trident.parallel.adapter import adapter_for
+from trident.pipeline.module import PipelineModule
+from trident.tensor_parallel.plan import tp_layers
 
 BLOCK_LISTS = ("blocks", "layers", "h")
 """Names of the ModuleList whose children are a generic model's blocks."""
@@ -61,12 +65,11 @@ def _backend_fn(backend: str) -> str | Callable:
 
 def compile_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of every block of `model` to compile, in model order."""
-    from trident.pipeline.module import PipelineModule
-
+    adapter = adapter_for(model)
+    layers = adapter.decoder_layers() if adapter is not None else []
     if isinstance(model, PipelineModule):
-        return _pipeline_layers(model)
-    layers = _decoder_layers(model)
-    if layers is not None:
+        return _pipeline_layers(model, layers)
+    if layers:
         return layers
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and name.rpartition(".")[2] in BLOCK_LISTS and len(module):
@@ -74,34 +77,20 @@ def compile_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [("", model)]
 
 
-def _pipeline_layers(model) -> list[tuple[str, nn.Module]]:
-    from trident.pipeline.hf import HFDecoderLayer
-
+def _pipeline_layers(model: PipelineModule, decoder_layers: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """This stage's numbered layers with parameters; a layer its adapter names a decoder layer
+    inside (a wrapper of the model's own layer) is compiled as that inner module, the wrapper's
+    mask/position cache staying eager."""
+    inner = {name.partition(".")[0]: (name, module) for name, module in decoder_layers}
     targets = []
     for name, child in model.named_children():
         if not name.isdigit():
             continue  # tied modules run through their forward_fn, outside this stage's numbered layers
-        if isinstance(child, HFDecoderLayer):  # its mask/position cache stays eager
-            targets.append((f"{name}.layer", child.layer))
+        if name in inner:
+            targets.append(inner[name])
         elif any(True for _ in child.parameters()):
             targets.append((name, child))
     return targets
-
-
-def _decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
-    """A transformers causal LM's decoder layers, or None for other models."""
-    from trident.pipeline.hf import _layout, find_causal_lm
-
-    lm = find_causal_lm(model)
-    if lm is None:
-        return None
-    try:
-        layers_key = _layout(lm)[1]
-    except ValueError:
-        return None
-    layers = getattr(lm.base_model, layers_key)
-    prefix = next(name for name, m in model.named_modules() if m is layers)
-    return [(f"{prefix}.{i}", layer) for i, layer in enumerate(layers)]
 
 
 # -- counting graphs ---------------------------------------------------------------------------------
@@ -317,6 +306,4 @@ def _keep_hooks_eager(block: nn.Module) -> int:
 
 
 def _has_tensor_parallel_layers(block: nn.Module) -> bool:
-    from trident.tensor_parallel.layers import _TPModule
-
-    return any(isinstance(m, _TPModule) for m in block.modules())
+    return bool(tp_layers(block))

@@ -425,11 +425,12 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
         """What a checkpoint's manifest records about the model for the offline tools: the LoRA
         adapters' scaling (`trident checkpoint merge-lora`) and a transformers model's config and
         names (`trident checkpoint export-hf`)."""
-        from trident.hf.export import hf_record
+        from trident.parallel.adapter import adapter_for
         from trident.peft.merge import lora_record
         lora = getattr(self.config, "lora", None)  # else LoRA applied by hand: read off the layers
+        adapter = adapter_for(self.module)
         return {"lora": {"r": lora.r, "alpha": lora.alpha} if lora is not None else lora_record(self.module),
-                "hf": hf_record(self.module)}
+                "hf": adapter.export_record() if adapter is not None else None}
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):

@@ -15,7 +15,8 @@ transformers keeps (the first in the state dict, e.g. `model.embed_tokens.weight
   mesh rank 0 writes.
 - `export_checkpoint(ckpt, out)` (`trident checkpoint export-hf`): from a trident checkpoint on
   disk, with no process group; the manifest's `hf` record (written by `save_checkpoint` for a
-  model holding a transformers model) gives the config and the name prefix.
+  model holding a transformers model: its adapter's `export_record`) gives the config and the
+  name prefix.
 
 Nothing here imports trident in the exported folder: plain safetensors and JSON.
 """
@@ -25,12 +26,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Iterable
 
 import torch
 from torch import nn
+
+from trident.models.transformers.export import config_dict, generation_config
+from trident.parallel.adapter import adapter_for
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -41,92 +44,18 @@ DEFAULT_MAX_SHARD = "5GB"
 
 # -- the transformers model inside a trident model ---------------------------------------------
 
-def find_hf_root(module: nn.Module) -> tuple[str, nn.Module] | None:
-    """(name, module) of the outermost transformers PreTrainedModel inside `module` (itself
-    included), or None. transformers is only looked at if it is already imported."""
-    transformers = sys.modules.get("transformers")
-    pretrained = getattr(transformers, "PreTrainedModel", None)
-    if pretrained is None:
-        return None
-    for name, sub in module.named_modules():  # pre-order: the outermost first
-        if isinstance(sub, pretrained):
-            return name, sub
-    return None
+def export_root(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, module) of the model an export of `module` writes (the outermost transformers
+    PreTrainedModel inside it), as its family's adapter says; None when there is none."""
+    adapter = adapter_for(module)
+    return adapter.export_root() if adapter is not None else None
 
 
-def config_dict(hf: nn.Module, dtype: torch.dtype | None = None) -> dict:
-    """The model's config as `config.json` holds it, naming the model class (`architectures`)."""
-    config = json.loads(hf.config.to_json_string(use_diff=False))
-    config["architectures"] = [type(hf).__name__]
-    if dtype is not None:
-        name = str(dtype).replace("torch.", "")
-        config["dtype"] = name
-        if "torch_dtype" in config:
-            config["torch_dtype"] = name
-    return config
-
-
-def hf_record(module: nn.Module) -> dict | None:
-    """What a trident checkpoint's manifest records so that `export_checkpoint` can write the
-    transformers folder: the state-dict prefix of the transformers model, its config and its
-    generation config. None when the model holds no transformers model."""
-    try:
-        return _record(module)
-    except Exception as err:  # never fail a checkpoint over it: export-hf then asks for --config
-        from trident.monitor.log import logger
-        logger.warning("checkpoint manifest: could not record the transformers config (%s); `trident checkpoint "
-                       "export-hf` will need --config", err)
-        return None
-
-
-def _record(module: nn.Module) -> dict | None:
-    from trident.pipeline.module import PipelineModule
-
-    if isinstance(module, PipelineModule):
-        return _pipeline_record(module)
-    found = find_hf_root(module)
-    if found is None:
-        return None
-    name, hf = found
-    record = {"prefix": f"{name}." if name else "", "config": config_dict(hf)}
-    gen = _generation_config(hf)
-    if gen is not None:
-        record["generation_config"] = gen
-    return record
-
-
-def _pipeline_record(module: nn.Module) -> dict | None:
-    """A pipeline built from a transformers model (`trident.pipeline.from_hf`): its config and the
-    map of pipeline state-dict names to the model's, for every stage (layer indices in the names
-    do not depend on the partition, so the map of a one-stage split of a meta-device copy of the
-    model covers every stage's names)."""
-    hf_key, config, cls_name = getattr(module, "hf_key", None), getattr(module, "config", None), \
-        getattr(module, "hf_class", None)
-    if not callable(hf_key) or config is None or not cls_name:
-        return None
-    names = {k: hf_key(k) for k in module.state_dict(keep_vars=True) if hf_key(k) is not None}
-    cls = getattr(sys.modules.get("transformers"), cls_name, None)
-    if cls is not None:
-        import copy
-
-        from trident.hf.load import meta_parameters
-        from trident.pipeline.hf import from_hf, hf_names
-        with meta_parameters():
-            skeleton = cls(copy.deepcopy(config))
-        names.update(hf_names(from_hf(skeleton, 1, stage_id=0, release=False, trust_layout=True)))
-    record = {"prefix": "", "pipeline": True, "names": names,
-              "config": {**json.loads(config.to_json_string(use_diff=False)), "architectures": [cls_name]}}
-    return record
-
-
-def _generation_config(hf: nn.Module) -> dict | None:
-    gen = getattr(hf, "generation_config", None)
-    if gen is None or not hasattr(gen, "to_json_string"):
-        return None
-    try:
-        return json.loads(gen.to_json_string(use_diff=True))
-    except Exception:  # a generation config that cannot be written is not worth failing an export for
-        return None
+def export_record(module: nn.Module) -> dict | None:
+    """What a checkpoint's manifest records so that `export_checkpoint` can write the folder (the
+    family's `ModelAdapter.export_record`); None when the model holds no exportable model."""
+    adapter = adapter_for(module)
+    return adapter.export_record() if adapter is not None else None
 
 
 # -- writing the folder --------------------------------------------------------------------------
@@ -238,7 +167,7 @@ def save_pretrained(engine, save_dir: str | Path, *, max_shard_size: int | str =
     mesh = engine.mesh
     if mesh.pp_size > 1:
         return _save_pretrained_pipeline(engine, save_dir, max_shard_size=max_shard_size, dtype=dtype)
-    found = find_hf_root(engine.module)
+    found = export_root(engine.module)
     if found is None:
         raise ValueError(f"save_pretrained: {type(engine.module).__name__} holds no transformers PreTrainedModel; "
                          "use save_checkpoint or save_16bit_model for other models")
@@ -274,7 +203,7 @@ def save_pretrained(engine, save_dir: str | Path, *, max_shard_size: int | str =
     if writer is not None and error[0] is None:
         exported = dtype if dtype is not None else (next(iter(float_dtypes)) if len(float_dtypes) == 1 else None)
         try:
-            writer.finish(config_dict(hf, exported), _generation_config(hf))
+            writer.finish(config_dict(hf, exported), generation_config(hf))
         except Exception as err:
             error = [f"{type(err).__name__}: {err}"]
     if engine.ranks.group is not None:
@@ -291,7 +220,7 @@ def _save_pretrained_pipeline(engine, save_dir, *, max_shard_size, dtype) -> Pat
     import shutil
 
     from trident.comm import collectives
-    if hf_record(engine.module) is None:
+    if export_record(engine.module) is None:
         raise ValueError("save_pretrained: this pipeline was not built from a transformers model "
                          "(trident.pipeline.from_hf), so its layers have no transformers names")
     tmp = Path(save_dir) / ".trident-export"

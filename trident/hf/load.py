@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trident.models.transformers.meta import meta_parameters
+
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 
@@ -208,26 +210,6 @@ def _mesh_for(mesh, config, stage: int, tp_size: int):
         init_distributed(timeout_s=cfg.distributed.timeout_s)
     return ParallelMesh.build(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size, cp=cfg.context_parallel.size,
                               ep=cfg.expert_parallel.size)
-
-
-@contextlib.contextmanager
-def meta_parameters():
-    """Parameters registered inside are moved to the meta device (buffers stay where they are
-    built, so computed ones such as RoPE frequencies are real)."""
-    original = nn.Module.register_parameter
-
-    def register_parameter(module, name, param):
-        if param is not None and param.device.type != "meta":
-            kwargs = dict(param.__dict__)
-            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-            param.__dict__.update(kwargs)
-        original(module, name, param)
-
-    nn.Module.register_parameter = register_parameter
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
 
 
 # -- reading each rank's share ------------------------------------------------------------------

@@ -11,6 +11,10 @@ call and partition them again afterwards: at most one module's parameters are wh
 time. Every rank runs the initialiser with the same random state (as `Init` requires), so
 the result equals the model built without `Init`; rank 0's values are broadcast anyway, so
 the shards always agree.
+
+The patch registers itself with `trident.zero.init.register_init_hook` when this module is
+imported (`trident.hf` imports it, and `import trident` imports that): `zero` knows no
+transformers.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import functools
 import sys
 from typing import Callable
+
+from trident.zero.init import GatheredParameters, register_init_hook
 
 
 def patch_transformers() -> Callable[[], None] | None:
@@ -39,7 +45,6 @@ def patch_transformers() -> Callable[[], None] | None:
         params = partitioned_params(module, PreTrainedModel)
         if not params:
             return original(self, module, is_custom_code)
-        from trident.zero.init import GatheredParameters
         with GatheredParameters(params, modifier_rank=0):
             return original(self, module, is_custom_code)
 
@@ -64,3 +69,6 @@ def partitioned_params(module, pretrained_cls) -> list:
             seen.add(id(p))
             out.append(p)
     return out
+
+
+register_init_hook(patch_transformers)

@@ -36,7 +36,6 @@ the mesh is built from the config's sizes over the whole world, or passed as `me
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import os
@@ -44,15 +43,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator
-from accelerate.data_loader import prepare_data_loader
 from transformers import PreTrainedModel, Trainer, get_scheduler
 from transformers.trainer import TRAINING_ARGS_NAME
 
-from trident.config import ConfigError, ConfigIssue, fill_auto
 from trident.config.loader import read_json
-from trident.engine.build import data_parallel_rank, data_parallel_size
+from trident.engine.build import data_parallel_size, initialize
 from trident.engine.engine import Engine
+from trident.integrations.trainer_config import guess_dp, layout_sizes, trident_config_for, world_size
+from trident.integrations.trainer_views import EngineOptimizer, EngineScheduler, TridentAccelerator
 from trident.parallel.mesh import ParallelMesh
 
 __all__ = ["TridentTrainer", "trident_config_for"]
@@ -61,195 +59,6 @@ if not all(hasattr(Trainer, m) for m in ("_prepare_for_training", "set_initial_t
     import transformers as _transformers
     raise ImportError(f"trident.integrations.transformers needs the Trainer of transformers 5.x (checked with 5.24); "
                       f"this is transformers {_transformers.__version__}: pip install 'trident[hf]'")
-
-TRAINER_DECIDES = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
-"""Top-level keys the `TrainingArguments` always set: absent from the config means `"auto"`."""
-
-
-class _ArgsView:
-    """`TrainingArguments` as `fill_auto` should see them: the world is the data-parallel size
-    (tp / cp / pp ranks of a replica share their batch)."""
-
-    def __init__(self, args: Any, world_size: int) -> None:
-        self._args = args
-        self.world_size = world_size
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._args, name)
-
-
-def _fsdp_stage(args: Any) -> int | None:
-    """The ZeRO stage `TrainingArguments.fsdp` names, or None when it names none."""
-    fsdp = getattr(args, "fsdp", None)
-    if not fsdp:
-        return None
-    text = " ".join(str(getattr(o, "value", o)) for o in fsdp) if isinstance(fsdp, (list, tuple)) else str(fsdp)
-    if "full_shard" in text or "hybrid_shard" in text:
-        return 3
-    if "shard_grad_op" in text:
-        return 2
-    return None
-
-
-def trident_config_for(config: str | dict, args: Any, model: Any = None, data_parallel_size: int = 1,
-                       num_training_steps: int | None = None) -> dict:
-    """The trident config a `TridentTrainer` runs: `config` (a path or dict) with the keys the
-    Trainer decides defaulted to `"auto"`, the ZeRO stage checked against `args.fsdp`, and every
-    `"auto"` filled from `args` by `trident.config.fill_auto` (the batch from
-    `data_parallel_size` ranks). Raises `ConfigError` listing every value that disagrees."""
-    data = copy.deepcopy(config) if isinstance(config, dict) else read_json(config)
-    for key in TRAINER_DECIDES:
-        data.setdefault(key, "auto")
-    for section in ("fp16", "bf16"):
-        if isinstance(data.setdefault(section, {}), dict):
-            data[section].setdefault("enabled", "auto")
-    data.setdefault("seed", args.seed)
-    issues = []
-    wanted = _fsdp_stage(args)
-    zero = data.setdefault("zero_optimization", {})
-    if wanted is not None and isinstance(zero, dict):
-        stage = zero.get("stage", 0)
-        if stage == "auto":
-            zero["stage"] = wanted
-        elif stage != wanted:
-            issues.append(ConfigIssue("zero_optimization.stage", (
-                f"{stage!r} disagrees with TrainingArguments.fsdp = {args.fsdp!r} (ZeRO stage {wanted}); set it to "
-                "\"auto\" or make the two agree")))
-    elif isinstance(zero, dict) and zero.get("stage") == "auto":
-        zero["stage"] = 0  # TrainingArguments without fsdp: no sharding asked for
-    try:
-        data = fill_auto(data, _ArgsView(args, data_parallel_size), model=model, num_training_steps=num_training_steps)
-    except ConfigError as e:
-        issues.extend(e.issues)
-    if issues:
-        raise ConfigError(issues)
-    return data
-
-
-def _layout_sizes(data: dict) -> dict[str, int]:
-    def size(section: str, key: str = "size") -> int:
-        value = data.get(section, {})
-        value = value.get(key, 1) if isinstance(value, dict) else 1
-        return int(value) if isinstance(value, int) else 1
-    return {"pp": size("pipeline", "stages"), "tp": size("tensor_parallel"), "cp": size("context_parallel"),
-            "ep": size("expert_parallel")}
-
-
-class _EngineOptimizer:
-    """The Trainer's view of the engine's optimizer: the engine steps and zeroes it (inside
-    `engine.step()`), so `step` / `zero_grad` here do nothing; the rest is the real one's."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.optimizer = engine.optimizer
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def step(self, closure=None) -> None:
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
-
-class _EngineScheduler:
-    """The Trainer's view of the engine's LR schedule: the engine steps it; `get_last_lr` is the
-    rate the last optimizer step used (what the Trainer logs as `learning_rate`)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.scheduler = engine.lr_scheduler
-        self.step_lr: list[float] | None = None
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def get_last_lr(self) -> list[float]:
-        return list(self.step_lr) if self.step_lr is not None else self.engine.get_lr()
-
-    def state_dict(self) -> dict:
-        return self.scheduler.state_dict() if self.scheduler is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(state)
-
-
-class _TridentAccelerator(Accelerator):
-    """The Trainer's accelerator with data sharded over trident's data-parallel ranks (not the
-    whole world: tp / cp ranks of a replica read the same samples), metrics gathered over them,
-    and no gradient-sync context of its own (the engine knows its accumulation boundaries).
-    Becomes the class of the accelerator the Trainer built (`__class__` swap): everything else
-    is accelerate's."""
-
-    _trident_trainer: "TridentTrainer"
-    _trident_metrics = False
-
-    def _trident_shard(self) -> tuple[int, int]:
-        mesh = self._trident_trainer._trident_mesh()
-        return (data_parallel_size(mesh), data_parallel_rank(mesh)) if mesh is not None else (1, 0)
-
-    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        if getattr(data_loader, "_is_accelerate_prepared", False):
-            return data_loader
-        if device_placement is None:
-            device_placement = self.device_placement
-        num_processes, process_index = self._trident_shard()
-        prepared = prepare_data_loader(
-            data_loader, self.device, num_processes=num_processes, process_index=process_index,
-            split_batches=self.split_batches, put_on_device=device_placement, rng_types=self.rng_types.copy(),
-            dispatch_batches=self.dispatch_batches, even_batches=self.even_batches,
-            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=self.use_seedable_sampler,
-            data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking,
-            use_stateful_dataloader=self.use_stateful_dataloader)
-        self._dataloaders.append(prepared)
-        return prepared
-
-    def gather_for_metrics(self, input_data, use_gather_object=False):
-        self._trident_metrics = True  # one copy of each sample: gather over the data-parallel ranks only
-        try:
-            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
-        finally:
-            self._trident_metrics = False
-
-    def gather(self, tensor):
-        mesh = self._trident_trainer._trident_mesh()
-        if not self._trident_metrics or mesh is None or mesh.world_size == data_parallel_size(mesh):
-            return super().gather(tensor)
-        from accelerate.utils import recursively_apply
-        group = _data_group(mesh)
-        return recursively_apply(functools.partial(_all_gather_cat, group=group), tensor, error_on_other_type=True)
-
-    def no_sync(self, model):
-        return contextlib.nullcontext()
-
-    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
-        if isinstance(model, Engine):
-            return model.module
-        return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
-
-
-def _data_group(mesh: ParallelMesh):
-    return mesh.group("dp", "ep")
-
-
-def _all_gather_cat(tensor: torch.Tensor, group) -> torch.Tensor:
-    tensor = tensor.contiguous() if tensor.ndim else tensor.reshape(1)
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor, group=group)
-    return torch.cat(parts, dim=0)
 
 
 class TridentTrainer(Trainer):
@@ -272,7 +81,7 @@ class TridentTrainer(Trainer):
         self.engine: Engine | None = None
         if args is not None:  # the contradictions fail here, before any process group or model work
             self._trident_config(args, model=model)
-        if _layout_sizes(self._trident_source)["pp"] > 1:
+        if layout_sizes(self._trident_source)["pp"] > 1:
             raise ValueError("TridentTrainer does not run pipeline parallelism (pipeline.stages > 1): the Trainer's "
                              "loop runs one micro-batch at a time; use trident.initialize with a PipelineModule "
                              "and engine.train_batch instead")
@@ -282,7 +91,7 @@ class TridentTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        self.accelerator.__class__ = _TridentAccelerator
+        self.accelerator.__class__ = TridentAccelerator
         self.accelerator._trident_trainer = self
         self.gather_function = self.accelerator.gather_for_metrics
         if self.args.eval_use_gather_object:
@@ -296,24 +105,24 @@ class TridentTrainer(Trainer):
         if self.engine is not None:
             return self.engine.mesh
         if self._trident_built_mesh is None and dist.is_available() and dist.is_initialized():
-            sizes = _layout_sizes(self._trident_source)
+            sizes = layout_sizes(self._trident_source)
             device = self.args.device.type if self.args.device.type != "mps" else "cpu"
             self._trident_built_mesh = ParallelMesh.build(device_type=device, **sizes)
         return self._trident_built_mesh
 
     def _data_parallel_size(self) -> int:
         mesh = self._trident_mesh()
-        return data_parallel_size(mesh) if mesh is not None else _guess_dp(self._trident_source)
+        return data_parallel_size(mesh) if mesh is not None else guess_dp(self._trident_source)
 
     def get_tp_size(self) -> int:
         """Ranks that read the same samples (tp x cp x pp of a replica): the Trainer divides its
         token counts and world-wide loss scaling by this, as it does for its own tensor parallelism."""
-        return max(1, _world_size() // self._data_parallel_size())
+        return max(1, world_size() // self._data_parallel_size())
 
     def _trident_config(self, args: Any = None, num_training_steps: int | None = None, model: Any = None) -> dict:
         args = args if args is not None else self.args
         model = model if model is not None else getattr(self, "model", None)
-        dp = self._data_parallel_size() if hasattr(self, "accelerator") else _guess_dp(self._trident_source)
+        dp = self._data_parallel_size() if hasattr(self, "accelerator") else guess_dp(self._trident_source)
         return trident_config_for(self._trident_source, args, model=model, data_parallel_size=dp,
                                   num_training_steps=num_training_steps)
 
@@ -331,28 +140,26 @@ class TridentTrainer(Trainer):
         become views of the engine's."""
         if self.engine is not None:
             return self.engine
-        import trident
-
         steps = num_training_steps if num_training_steps is not None else self._planned_steps()
         data = self._trident_config(num_training_steps=steps)
         model = self.model
-        optimizer = self.optimizer if not isinstance(self.optimizer, _EngineOptimizer) else None
+        optimizer = self.optimizer if not isinstance(self.optimizer, EngineOptimizer) else None
         if optimizer is None and "optimizer" not in data:
             optimizer = self._optimizer_factory(model)
-        scheduler = self.lr_scheduler if not isinstance(self.lr_scheduler, _EngineScheduler) else None
+        scheduler = self.lr_scheduler if not isinstance(self.lr_scheduler, EngineScheduler) else None
         if scheduler is None and "scheduler" not in data:
             if steps is None:
                 raise ValueError("TridentTrainer needs the run's length for the learning-rate schedule: set "
                                  "TrainingArguments.max_steps, give a train_dataset with a length, or put a "
                                  "scheduler section in the trident config")
             scheduler = functools.partial(self._hf_scheduler, steps)
-        engine, _, _, _ = trident.initialize(model=model, config=data, optimizer=optimizer, lr_scheduler=scheduler,
+        engine, _, _, _ = initialize(model=model, config=data, optimizer=optimizer, lr_scheduler=scheduler,
                                              mesh=self._trident_mesh())
         self.engine = engine
         self.model_wrapped = engine
         self.model = engine.module
-        self.optimizer = _EngineOptimizer(engine)
-        self.lr_scheduler = _EngineScheduler(engine)
+        self.optimizer = EngineOptimizer(engine)
+        self.lr_scheduler = EngineScheduler(engine)
         self._created_lr_scheduler = False
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
@@ -551,15 +358,3 @@ class TridentTrainer(Trainer):
         if self.engine is None:
             return super()._load_best_model()
         self._load_optimizer_and_scheduler(self.state.best_model_checkpoint)
-
-
-def _world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
-def _guess_dp(data: dict) -> int:
-    """Ranks reading different samples, before there is a mesh: the world over pp x tp x cp."""
-    sizes = _layout_sizes(data)
-    return max(1, _world_size() // (sizes["pp"] * sizes["tp"] * sizes["cp"]))

@@ -5,7 +5,8 @@
     simulate, check_schedule, Costs               timelines, bubbles, well-formedness (simulate.py)
     StageExecutor                                 runs a stage's instructions (executor.py)
     add_aux_loss                                  a layer's auxiliary loss (MoE) into the loss (aux_loss.py)
-    from_hf, hf_state_dict                        a transformers decoder model split into stages (hf.py)
+    from_hf, hf_state_dict                        a built model (transformers) split into stages by its
+                                                  family's adapter, under the model's names (adopted.py)
 
 The engine that drives them is `trident.engine.pipeline_engine.PipelineEngine`.
 """
@@ -27,7 +28,14 @@ from trident.pipeline.instructions import (
     SendActivation,
     SendGrad,
 )
-from trident.pipeline.hf import HFPipelineModule, from_hf, hf_shard_specs, hf_state_dict, load_hf_state_dict
+from trident.pipeline.adopted import (
+    AdoptedPipelineModule,
+    ModelPart,
+    from_hf,
+    hf_shard_specs,
+    hf_state_dict,
+    load_hf_state_dict,
+)
 from trident.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from trident.pipeline.partition import partition_balanced, partition_uniform
 from trident.pipeline.schedules import (
@@ -42,9 +50,12 @@ from trident.pipeline.schedules import (
 )
 from trident.pipeline.simulate import Costs, ScheduleError, Timeline, check_schedule, simulate
 
+HFPipelineModule = AdoptedPipelineModule
+"""A stage `from_hf` split from a transformers model (the generic class, under its public name)."""
+
 __all__ = [
-    "Backward", "BackwardInput", "BackwardWeight", "Costs", "Forward", "HFPipelineModule", "Instruction", "LayerSpec",
-    "LoadMicroBatch", "OptimizerStep", "PipelineError", "PipelineModule", "RecvActivation", "RecvGrad",
+    "AdoptedPipelineModule", "Backward", "BackwardInput", "BackwardWeight", "Costs", "Forward", "HFPipelineModule",
+    "Instruction", "LayerSpec", "LoadMicroBatch", "ModelPart", "OptimizerStep", "PipelineError", "PipelineModule", "RecvActivation", "RecvGrad",
     "ReduceGrads", "ReduceTiedGrads", "SCHEDULES", "ScheduleError", "SendActivation", "SendGrad",
     "StageExecutor", "TiedLayerSpec", "Timeline", "add_aux_loss", "build_all", "build_schedule", "check_schedule",
     "forward_only", "from_hf", "gpipe", "hf_shard_specs", "hf_state_dict", "interleaved_1f1b",

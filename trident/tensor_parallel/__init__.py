@@ -3,8 +3,10 @@
 mappings: the conjugate communication pairs; layers: column / row parallel linear layers and
 the vocabulary-parallel embedding; cross_entropy: the loss over vocabulary-split logits;
 dropout: masks equal to one process's; split: shard specs and state-dict split / merge;
-plan: `parallelize(model, plan, mesh)` for models written without trident, and
-`apply_tensor_parallel` for the config's `tensor_parallel` section.
+plan: `parallelize(model, plan, mesh)` for models written without trident (styles: how a plan
+splits a module; "hf" / "auto" plans come from the model's `ModelAdapter`), and
+`apply_tensor_parallel` for the config's `tensor_parallel` section; sequence: sequence
+parallelism where the adapter says the model's layers are.
 """
 
 from trident.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy

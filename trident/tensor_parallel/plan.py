@@ -31,13 +31,13 @@ of the same heads together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Callable, Mapping, Union
 
 from torch import nn
 
 from trident.comm.logger import CommsLogger
+from trident.parallel.adapter import adapter_for
 from trident.tensor_parallel.layers import (
     ColumnParallelLinear,
     ReplicatedHeadsLinear,
@@ -47,79 +47,23 @@ from trident.tensor_parallel.layers import (
     is_conv1d,
     mark_sequence_parallel,
 )
+from trident.tensor_parallel.sequence import enable_sequence_parallel
+from trident.tensor_parallel.styles import STYLES, Column, KVHeads, Row, Style, SumGrad, Vocab
+
+PRESETS: dict[str, dict[str, Style]] = {}
+"""Named plans by module-name convention ("gpt2": GPT-2 / nanoGPT names, "llama": LLaMA's), filled
+by the model families of `trident.models` (`register_preset`) when trident is imported."""
 
 
-@dataclass(frozen=True)
-class Column:
-    """Split an nn.Linear by output features. `stride`: fused blocks (3 for a q|k|v projection);
-    `pad_vocab`: a vocabulary head whose size may be padded to a multiple of tp."""
+def register_preset(name: str, plan: Mapping[str, Style]) -> None:
+    """Make `plan` the preset `name` (a model family registers the plan of its module names)."""
+    PRESETS[name] = dict(plan)
 
-    gather_output: bool = False
-    stride: int = 1
-    pad_vocab: bool = False
-
-
-@dataclass(frozen=True)
-class Row:
-    """Split an nn.Linear by input features; `input_is_parallel=False` splits a replicated input."""
-
-    input_is_parallel: bool = True
-
-
-@dataclass(frozen=True)
-class Vocab:
-    """Split an nn.Embedding by vocabulary rows."""
-
-
-@dataclass(frozen=True)
-class KVHeads:
-    """A key or value projection whose heads are fewer than tp ranks (grouped-query attention):
-    kept whole on every rank, each using the head its query heads share
-    (`ReplicatedHeadsLinear`). `head_dim`: features per head."""
-
-    head_dim: int
-
-
-@dataclass(frozen=True)
-class SumGrad:
-    """A module kept whole on every rank but fed only this rank's heads (a per-head norm such as
-    Qwen3's q_norm): its parameters' gradients are summed over tp. transformers calls it
-    "replicated_with_grad_allreduce"."""
-
-
-Style = Union[Column, Row, Vocab, KVHeads, SumGrad]
-STYLES: dict[str, Style] = {
-    "column": Column(),
-    "column_gather": Column(gather_output=True, pad_vocab=True),
-    "row": Row(),
-    "vocab": Vocab(),
-}
-
-PRESETS: dict[str, dict[str, Style]] = {
-    # GPT-2 module names (nanoGPT / HF) with nn.Linear layers; c_attn's output is [q | k | v]
-    "gpt2": {
-        "wte": Vocab(),
-        "attn.c_attn": Column(stride=3),
-        "attn.c_proj": Row(),
-        "mlp.c_fc": Column(),
-        "mlp.c_proj": Row(),
-        "lm_head": Column(gather_output=True, pad_vocab=True),
-    },
-    # LLaMA module names (HF LlamaForCausalLM); k/v heads must be divisible by tp too
-    "llama": {
-        "embed_tokens": Vocab(),
-        "self_attn.q_proj": Column(),
-        "self_attn.k_proj": Column(),
-        "self_attn.v_proj": Column(),
-        "self_attn.o_proj": Row(),
-        "mlp.gate_proj": Column(),
-        "mlp.up_proj": Column(),
-        "mlp.down_proj": Row(),
-        "lm_head": Column(gather_output=True, pad_vocab=True),
-    },
-}
 
 PlanSpec = Union[str, Mapping[str, Union[str, Style]]]
+FAMILY_PLANS = ("hf", "auto")
+"""Plans the model's adapter (trident.parallel.adapter) gives: "hf" its published plan, "auto"
+that or its family's preset."""
 
 
 def resolve_plan(plan: PlanSpec) -> dict[str, Style]:
@@ -155,8 +99,8 @@ def matches(pattern: str, name: str) -> bool:
 def _assignments(model: nn.Module, plan: dict[str, Style]) -> list[tuple[str, nn.Module, Style]]:
     """(name, module, style) for every module the plan matches, with every pattern used."""
     used = {pattern: 0 for pattern in plan}
-    # a pipeline stage of a transformers model (trident.pipeline.hf) matches by the model's own module
-    # names; a pattern may match modules of other stages only
+    # a pipeline stage split from a built model (trident.pipeline.adopted) matches by the model's own
+    # module names; a pattern may match modules of other stages only
     rename, whole = model.plan_module_names() if hasattr(model, "plan_module_names") else ({}, ())
     chosen = []
     for name, module in model.named_modules():
@@ -214,14 +158,17 @@ def apply_plan(model: nn.Module, plan: PlanSpec, mesh, *,
     With `sequence_parallel` the layers take and give sequence shards between a column and a
     row layer: for models whose norms, dropouts and embeddings are written for it (trident's
     GPT), not for a plan applied from outside (see `parallelize`); a callable (name, style) ->
-    bool chooses per layer (a transformers model, `hf.SequenceParallelLayout.uses_shards`).
+    bool chooses per layer (a transformers model, `sequence.SequenceParallelLayout.uses_shards`).
     """
-    from trident.tensor_parallel.hf import check_heads, find_transformers_model, localize_heads, plan_for
-    transformers_model = find_transformers_model(model) is not None
-    if isinstance(plan, str) and plan in ("hf", "auto"):
-        plan = plan_for(model, plan, mesh.tp_size)
-    if transformers_model:
-        check_heads(model, mesh.tp_size)  # one error naming the attention, before any layer is split
+    adapter = adapter_for(model)
+    if isinstance(plan, str) and plan in FAMILY_PLANS:
+        if adapter is None:
+            raise ValueError(f"tensor_parallel.plan={plan!r} reads a transformers model's own plan, but "
+                             f"{type(model).__name__} is not (and holds no) transformers PreTrainedModel; give a "
+                             f"preset or a {{module-name pattern: style}} plan")
+        plan = adapter.tensor_parallel_plan(plan, mesh.tp_size)
+    if adapter is not None:
+        adapter.check_tensor_parallel(mesh.tp_size)  # one error naming the module, before any layer is split
     assignments = _assignments(model, resolve_plan(plan))
     shared: dict[int, nn.Parameter] = {}  # id of a full weight -> the shard that replaced it (ties)
     for name, module, style in assignments:
@@ -244,8 +191,8 @@ def apply_plan(model: nn.Module, plan: PlanSpec, mesh, *,
             shared[id(full_weight)] = layer.weight
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-    if transformers_model:
-        localize_heads(model, mesh.tp_size)
+    if adapter is not None:
+        adapter.localize_tensor_parallel(mesh.tp_size)
     if hasattr(model, "after_tensor_parallel"):  # a pipeline stage: tied copies held as buffers again
         model.after_tensor_parallel()
     return [name for name, _, _ in assignments]
@@ -255,8 +202,8 @@ def parallelize(model: nn.Module, plan: PlanSpec, mesh, *, logger: CommsLogger |
     """Tensor-parallelise `model` in place over `mesh`'s tp group by `plan`; returns `model`.
 
     `plan` is a preset name ("gpt2", "llama"), "hf" (a transformers model's own published
-    plan), "auto" ("hf" when the model has one, else the preset of its model type; see
-    `trident.tensor_parallel.hf`) or {module-name pattern: style} (see the module docstring).
+    plan), "auto" ("hf" when the model has one, else the preset of its model type; the model's
+    `ModelAdapter` gives both) or {module-name pattern: style} (see the module docstring).
     Call it before creating the optimizer: the parameters it replaces are gone.
     Sequence parallelism needs the model's norms and dropouts to run on sequence shards,
     which a name plan cannot arrange; use a model built for it (trident's GPT).
@@ -298,15 +245,15 @@ def apply_tensor_parallel(model: nn.Module, tp_cfg, mesh, *, logger: CommsLogger
     loaded_split = any(getattr(m, "_trident_tp_loaded", False) for m in model.modules())  # trident.hf.from_pretrained
     if tp_cfg.plan is not None and not loaded_split:
         if tp_cfg.sequence_parallel and mesh.tp_size > 1:
-            from trident.tensor_parallel import hf
-            if tp_cfg.plan not in ("hf", "auto") or hf.find_transformers_model(model) is None:
+            adapter = adapter_for(model)
+            if tp_cfg.plan not in FAMILY_PLANS or adapter is None:
                 raise ValueError("tensor_parallel.sequence_parallel=true needs a model whose norms and dropouts run "
                                  "on sequence shards: a transformers model with plan 'hf' or 'auto' (its decoder "
                                  "layers and norms are found from its layout), or a model built for it "
                                  "(trident.models.GPT, plan null); otherwise set sequence_parallel=false")
-            layout = hf.sequence_parallel_layout(model)
+            layout = adapter.sequence_parallel_layout()
             apply_plan(model, tp_cfg.plan, mesh, sequence_parallel=layout.uses_shards, logger=logger)
-            hf.enable_sequence_parallel(model, layout, mesh, logger)
+            enable_sequence_parallel(model, layout, mesh, logger)
             return model
         return parallelize(model, tp_cfg.plan, mesh, logger=logger)
     if mesh.tp_size > 1 and not tp_layers(model) and hasattr(model, "parallelize_tensor"):

@@ -19,13 +19,24 @@ through (with `modifier_rank`, they are still broadcast over the engine's data-p
 from __future__ import annotations
 
 import functools
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from trident.comm import collectives
 from trident.zero.partition import padded_size
+
+INIT_HOOKS: list[Callable[[], Callable[[], None] | None]] = []
+"""Run when an `Init` context is entered, each returning an undo function (run on exit) or None.
+Libraries whose models initialise their weights after `__init__` register here from above (e.g.
+`trident.hf.zero_init` makes transformers' `_init_weights` run on whole tensors)."""
+
+
+def register_init_hook(hook: Callable[[], Callable[[], None] | None]) -> None:
+    """Run `hook` whenever an `Init` context is entered (once per hook)."""
+    if hook not in INIT_HOOKS:
+        INIT_HOOKS.append(hook)
 
 
 def full_data(p: torch.nn.Parameter) -> torch.Tensor:
@@ -100,8 +111,7 @@ class Init:
             super(torch.nn.Module, cls).__init_subclass__(**kwargs)
             ctx._patch(cls)
         torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
-        from trident.hf.zero_init import patch_transformers  # transformers' _init_weights on whole tensors
-        self._undo_hf = patch_transformers()
+        self._undo_hooks = [undo for undo in (hook() for hook in INIT_HOOKS) if undo is not None]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -114,9 +124,9 @@ class Init:
             del torch.nn.Module.__init_subclass__
         else:
             torch.nn.Module.__init_subclass__ = self._old_init_subclass
-        if getattr(self, "_undo_hf", None) is not None:
-            self._undo_hf()
-            self._undo_hf = None
+        for undo in reversed(getattr(self, "_undo_hooks", [])):
+            undo()
+        self._undo_hooks = []
 
     def _patch(self, cls: type) -> None:
         original = cls.__dict__.get("__init__")

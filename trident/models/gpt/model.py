@@ -26,14 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from trident.comm.logger import CommsLogger
-from trident.moe.spec import MoESpec
 from trident.context_parallel.attention import attention as context_parallel_attention
+from trident.models.gpt.plan import MLP_PATTERNS, PLAN
+from trident.moe.spec import MoESpec
 from trident.parallel.rng import RNGTracker
 from trident.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from trident.tensor_parallel.dropout import SequenceParallelDropout, unit_dropout_mask
 from trident.tensor_parallel.layers import TPHandle, mark_sequence_parallel
 from trident.tensor_parallel.mappings import gather_from_tp_region
-from trident.tensor_parallel.plan import Column, Row, Vocab, apply_plan, tp_layers
+from trident.tensor_parallel.plan import apply_plan, tp_layers
 
 
 @dataclass
@@ -266,10 +267,10 @@ class GPT(nn.Module):
         if sequence_parallel and cfg.moe:
             raise ValueError("GPT: sequence_parallel with model.moe is not supported: the experts are replicated "
                              "over tp and need every tp rank's tokens; turn sequence_parallel off")
-        plan = {"embed.wte": Vocab(), "attn.qkv": Column(), "attn.proj": Row(), "mlp.fc": Column(),
-                "mlp.proj": Row(), "lm_head": Column(pad_vocab=True)}
+        plan = dict(PLAN)
         if all(not isinstance(b.mlp, MLP) for b in self.blocks):  # every MLP is an MoE: experts stay whole
-            del plan["mlp.fc"], plan["mlp.proj"]
+            for pattern in MLP_PATTERNS:
+                del plan[pattern]
         apply_plan(self, plan, mesh, sequence_parallel=sequence_parallel, logger=logger)
         self.tp, self.sequence_parallel = TPHandle(mesh, logger), sequence_parallel
         device = self.lm_head.weight.device

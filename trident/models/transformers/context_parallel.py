@@ -23,7 +23,7 @@ from torch import nn
 
 from trident.context_parallel.attention import attention
 from trident.context_parallel.layout import ContextParallel
-from trident.pipeline.hf import find_causal_lm
+from trident.models.transformers.detect import find_causal_lm
 
 IMPLEMENTATION = "trident_context_parallel"
 
