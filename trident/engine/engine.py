@@ -314,16 +314,12 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
         return {"trainable_parameters": mem["parameters"] - frozen, "frozen_parameters": frozen,
                 "gradients": mem["gradients"], "optimizer_states": mem["optimizer_states"]}
 
-    @torch.no_grad()
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict in the compute dtype, on every rank.
-
-        Collective under ZeRO stage 3 (the parameters are gathered); a plain copy otherwise.
-        """
-        from trident.zero.init import GatheredParameters
-
-        with GatheredParameters(list(self.module.parameters())):
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        """The model's state dict in the compute dtype, on every rank, ZeRO partitions gathered
+        (collective under stage 3); tensor-parallel slices stay each rank's, as DeepSpeed's
+        consolidation leaves them (`trident.engine.full_state.full_state_dict` merges them too)."""
+        from trident.engine.full_state import full_state_dict
+        return full_state_dict(self, merge_tp=False)
 
     def destroy(self) -> None:
         """Release what outlives a step: offload swap files and I/O threads, a parameter-server

@@ -161,8 +161,7 @@ def save_pretrained(engine, save_dir: str | Path, *, max_shard_size: int | str =
     """Write the engine's transformers model as `from_pretrained` reads it (see the module
     docstring). Collective: every rank of the engine calls it; mesh rank 0 writes."""
     from trident.comm import collectives
-    from trident.tensor_parallel.layers import gather_whole
-    from trident.zero.init import GatheredParameters
+    from trident.engine.full_state import whole_tensors
 
     mesh = engine.mesh
     if mesh.pp_size > 1:
@@ -185,21 +184,13 @@ def save_pretrained(engine, save_dir: str | Path, *, max_shard_size: int | str =
     error: list = [None]  # the writer's first failure; it keeps taking part in the gathers
     float_dtypes = {state[n].dtype for n in names if state[n].is_floating_point()}
     for i, group in enumerate(groups):
-        params = [state[n] for n in group if isinstance(state[n], nn.Parameter)]
-        with GatheredParameters(params):
-            local = {n: state[n].detach().clone() for n in group}
-        whole = {}
-        for n in group:
-            t, spec = local[n], getattr(state[n], "tp_spec", None)
-            if spec is not None and getattr(state[n], "tensor_model_parallel", False) and spec.tp_size > 1:
-                t = gather_whole(t, spec, mesh.tp_group)
-            whole[n] = t.to(out_dtype(t))
+        whole = whole_tensors(hf, group, mesh, dtype=dtype)
         if writer is not None and error[0] is None:
             try:
                 writer.write(i, whole)
             except Exception as err:
                 error = [f"{type(err).__name__}: {err}"]
-        del whole, local
+        del whole
     if writer is not None and error[0] is None:
         exported = dtype if dtype is not None else (next(iter(float_dtypes)) if len(float_dtypes) == 1 else None)
         try:

@@ -32,7 +32,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from trident.comm import collectives
@@ -40,8 +39,7 @@ from trident.engine.engine import Engine
 from trident.hf.export import export_root
 from trident.peft.export import register_adapter_writer
 from trident.peft.lora import LoRALinear
-from trident.tensor_parallel.layers import gather_whole
-from trident.zero.init import GatheredParameters
+from trident.engine.full_state import whole_tensors
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
@@ -75,7 +73,7 @@ def save_adapters(engine_or_module, save_dir: str | os.PathLike, base_model_name
         raise ValueError("save_adapters: the module's parameters are ZeRO-3 partitions; pass the engine")
     saved, biases = _trainable_rest(root, adapted)
     plan = _export_plan(root, adapted, saved, biases)
-    tensors = _whole_tensors(root, list(plan), mesh)
+    tensors = whole_tensors(root, list(plan), mesh)
     if engine is None or engine.ranks.writer:
         out = Path(save_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -216,26 +214,6 @@ def _peft_config(root: nn.Module, adapted: dict[str, LoRALinear], saved: list[st
         "fan_in_fan_out": False, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
     }
-
-
-@torch.no_grad()
-def _whole_tensors(root: nn.Module, names: list[str], mesh) -> dict[str, torch.Tensor]:
-    """Whole copies of `names` from `root`'s state dict: ZeRO-3 parameters gathered over dp
-    (only these), tensor-parallel slices all-gathered over tp and merged by their `tp_spec`."""
-    state = root.state_dict(keep_vars=True)
-    params = [state[n] for n in names if isinstance(state[n], nn.Parameter)]
-    with GatheredParameters(params):
-        local = {n: state[n].detach().clone() for n in names}
-    out = {}
-    for n in names:
-        t, spec = local[n], getattr(state[n], "tp_spec", None)
-        if spec is not None and spec.tp_size > 1:
-            if mesh is None or mesh.tp_size != spec.tp_size:
-                raise ValueError(f"save_adapters: {n!r} is a tensor-parallel slice; pass the engine so its tp ranks "
-                                 "can merge the slices")
-            t = gather_whole(t, spec, mesh.tp_group)
-        out[n] = t
-    return out
 
 
 register_adapter_writer(save_adapters)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from trident.tensor_parallel.layers import gather_whole
+from trident.engine.full_state import full_state_dict, merge_tp_slices
 
 
 def _first_tensor(out: Any) -> torch.Tensor | None:
@@ -79,18 +79,15 @@ class RunRecord:
 
 
 def _whole(engine, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`local` (name -> this rank's tensor) with tensor-parallel shards merged into whole tensors."""
-    mesh = engine.mesh
-    out = {}
-    for name, p in engine.module.named_parameters():
-        if name not in local:
-            continue
-        t = local[name].float()
-        spec = getattr(p, "tp_spec", None)
-        if spec is not None and mesh.tp_size > 1:
-            t = gather_whole(t, spec, mesh.tp_group)
-        out[name] = t.clone()
-    return out
+    """`local` (name -> this rank's tensor) restricted to parameters, tp slices merged, in fp32."""
+    params = {name: local[name] for name, _ in engine.module.named_parameters() if name in local}
+    return {n: t.float().clone() for n, t in merge_tp_slices(engine.module, params, engine.mesh).items()}
+
+
+def _parameters(engine) -> dict[str, torch.Tensor]:
+    """Every parameter whole (ZeRO gathered, tp merged), in fp32."""
+    names = [name for name, _ in engine.module.named_parameters()]
+    return {n: t.float() for n, t in full_state_dict(engine, names).items()}
 
 
 def _reduced_grads(engine) -> dict[str, torch.Tensor]:
@@ -108,7 +105,7 @@ def record_run(engine, data, steps: int, micro_ids: Callable[[int], list[int]], 
     """Train `engine` for `steps` steps on this rank's micro-batches (`micro_ids(step)`) and record it."""
     tape = Tape(engine.module)
     rec = RunRecord(owner=tape.owner)
-    rec.params.append(_whole(engine, engine.consolidated_state_dict()))
+    rec.params.append(_parameters(engine))
     collate = torch.utils.data.default_collate
     for step in range(steps):
         for m in micro_ids(step):
@@ -124,6 +121,6 @@ def record_run(engine, data, steps: int, micro_ids: Callable[[int], list[int]], 
             engine.step()
         rec.losses.append(float(engine.last_loss))
         rec.norms.append(engine.get_global_grad_norm())
-        rec.params.append(_whole(engine, engine.consolidated_state_dict()))
+        rec.params.append(_parameters(engine))
     rec.outputs, rec.grads = tape.outputs, tape.grads
     return rec
