@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from trident.models.gpt import GPT_PRESETS, GPTConfig
+from trident.models.gpt import GPT_PRESETS, PUBLISHED_VOCAB, GPTConfig
 from trident.planner.gemm import GemmCurve, GemmTable
 
 GiB = 1024**3
@@ -156,15 +156,10 @@ def model_from_gpt_config(cfg: GPTConfig, name: str = "trident-gpt") -> ModelSpe
                      bias=cfg.bias, tie_embeddings=cfg.tie_embeddings, **experts)
 
 
-def _gpt(name: str, n_layer: int, d_model: int, n_head: int, vocab: int = 50257, seq: int = 2048) -> ModelSpec:
-    """A published model of the reference GPT's shape, described as the models package does."""
-    shape = GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=n_layer, n_head=n_head, d_model=d_model)
-    return model_from_gpt_config(shape, name)
-
-
-def _gpt_preset(name: str, preset: str, vocab: int) -> ModelSpec:
-    """One of trident's own GPT sizes (`GPT_PRESETS`, which leave the vocabulary to the tokenizer)."""
-    return model_from_gpt_config(GPTConfig(vocab_size=vocab, **GPT_PRESETS[preset]), name)
+def _gpt(name: str, vocab: int | None = None) -> ModelSpec:
+    """A GPT shape of `GPT_PRESETS` (the models package's one table of them), with its published
+    vocabulary (`PUBLISHED_VOCAB`) or `vocab`."""
+    return model_from_gpt_config(GPTConfig(vocab_size=vocab or PUBLISHED_VOCAB[name], **GPT_PRESETS[name]), name)
 
 
 def _llama(name: str, n_layer: int, d_model: int, n_head: int, d_ff: int, seq: int = 2048, vocab: int = 32000,
@@ -174,22 +169,9 @@ def _llama(name: str, n_layer: int, d_model: int, n_head: int, d_ff: int, seq: i
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
-    # GPT-2 (Radford et al. 2019; the Hugging Face gpt2* configs): vocab 50257, context 1024; the
-    # 124M size is also one of trident's own presets.
-    _gpt_preset("gpt2-124m", "gpt2-124m", vocab=50257),
-    _gpt("gpt2-355m", 24, 1024, 16, seq=1024),
-    _gpt("gpt2-774m", 36, 1280, 20, seq=1024),
-    _gpt("gpt2-1.5b", 48, 1600, 25, seq=1024),
-    # GPT-3 (Brown et al. 2020, Table 2.1): context 2048. Two rows of that table are not
-    # self-consistent: 1.3B lists 24 heads of 128 for d_model 2048 (16 x 128 is used here), 13B
-    # lists d_model 5140 for 40 heads of 128 (5120 is used).
-    _gpt("gpt3-1.3b", 24, 2048, 16),
-    _gpt("gpt3-2.7b", 32, 2560, 32),
-    _gpt("gpt3-6.7b", 32, 4096, 32),
-    _gpt("gpt3-13b", 40, 5120, 40),
-    _gpt("gpt3-175b", 96, 12288, 96),
-    # Megatron-Turing NLG 530B (Smith et al. 2022, section 2.4); Megatron's padded GPT-2 vocabulary.
-    _gpt("mt-nlg-530b", 105, 20480, 128, vocab=51200),
+    # GPT-2, GPT-3, Megatron-Turing NLG 530B and OPT-175B: the reference GPT's shape, with their
+    # sources beside the shapes in trident.models.gpt.GPT_PRESETS.
+    *(_gpt(name) for name in PUBLISHED_VOCAB),
     # BLOOM (BigScience 2022, arXiv:2211.05100; bigscience train/tr11-176B-ml): ALiBi positions,
     # embedding LayerNorm, vocabulary 250680 padded to 250880 for tensor parallelism.
     ModelSpec("bloom-176b", 70, 14336, 112, 250880, 2048, position="alibi", embed_norm=True),
@@ -201,11 +183,11 @@ MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     # Llama 3.1 8B (Meta's HF config: 128256 tokens, 8 key/value heads, MLP 14336; torchtitan's
     # 8192-token training sequences).
     _llama("llama3-8b", 32, 4096, 32, 14336, seq=8192, vocab=128256, n_kv_head=8),
-    # OPT-175B (Zhang et al. 2022, arXiv:2205.01068, Table 1): GPT-3 175B's shape, vocab 50272.
-    _gpt("opt-175b", 96, 12288, 96, vocab=50272),
 ]}
 # trident's own reference sizes (trident.models.gpt.GPT_PRESETS) with the bundled tokenizer.
-MODEL_PRESETS.update({f"trident-{name}": _gpt_preset(f"trident-{name}", name, BUNDLED_VOCAB) for name in GPT_PRESETS})
+MODEL_PRESETS.update({f"trident-{name}": model_from_gpt_config(GPTConfig(vocab_size=BUNDLED_VOCAB, **GPT_PRESETS[name]),
+                                                                 f"trident-{name}")
+                      for name in GPT_PRESETS if name not in PUBLISHED_VOCAB or name == "gpt2-124m"})
 
 
 @dataclass(frozen=True)

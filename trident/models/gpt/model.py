@@ -82,8 +82,34 @@ GPT_PRESETS: dict[str, dict] = {
     "tiny": dict(n_layer=2, n_head=2, d_model=64, seq_len=64),
     "demo": dict(n_layer=4, n_head=4, d_model=256, seq_len=128),
     "small": dict(n_layer=6, n_head=6, d_model=384, seq_len=256),
+    # Published models of this shape (also what `trident plan --model NAME` prices). GPT-2
+    # (Radford et al. 2019; the Hugging Face gpt2* configs): context 1024.
     "gpt2-124m": dict(n_layer=12, n_head=12, d_model=768, seq_len=1024),
+    "gpt2-355m": dict(n_layer=24, n_head=16, d_model=1024, seq_len=1024),
+    "gpt2-774m": dict(n_layer=36, n_head=20, d_model=1280, seq_len=1024),
+    "gpt2-1.5b": dict(n_layer=48, n_head=25, d_model=1600, seq_len=1024),
+    # GPT-3 (Brown et al. 2020, Table 2.1): context 2048. Two rows of that table are not
+    # self-consistent: 1.3B lists 24 heads of 128 for d_model 2048 (16 x 128 is used here), 13B
+    # lists d_model 5140 for 40 heads of 128 (5120 is used).
+    "gpt3-1.3b": dict(n_layer=24, n_head=16, d_model=2048, seq_len=2048),
+    "gpt3-2.7b": dict(n_layer=32, n_head=32, d_model=2560, seq_len=2048),
+    "gpt3-6.7b": dict(n_layer=32, n_head=32, d_model=4096, seq_len=2048),
+    "gpt3-13b": dict(n_layer=40, n_head=40, d_model=5120, seq_len=2048),
+    "gpt3-175b": dict(n_layer=96, n_head=96, d_model=12288, seq_len=2048),
+    # Megatron-Turing NLG 530B (Smith et al. 2022, section 2.4).
+    "mt-nlg-530b": dict(n_layer=105, n_head=128, d_model=20480, seq_len=2048),
+    # OPT-175B (Zhang et al. 2022, arXiv:2205.01068, Table 1): GPT-3 175B's shape.
+    "opt-175b": dict(n_layer=96, n_head=96, d_model=12288, seq_len=2048),
 }
+"""The reference GPT's shapes by name, without the vocabulary (a run's tokenizer decides it)."""
+
+PUBLISHED_VOCAB: dict[str, int] = {
+    **dict.fromkeys(["gpt2-124m", "gpt2-355m", "gpt2-774m", "gpt2-1.5b", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b",
+                     "gpt3-13b", "gpt3-175b"], 50257),
+    "mt-nlg-530b": 51200,  # Megatron's padded GPT-2 vocabulary
+    "opt-175b": 50272,
+}
+"""The vocabulary each published preset was trained with (for pricing it as published)."""
 
 
 class Embedding(nn.Module):
