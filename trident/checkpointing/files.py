@@ -77,11 +77,9 @@ def _ep_part(mesh) -> str:
     return f"_ep{mesh.ep_rank}" if mesh.ep_size > 1 else ""
 
 
-def is_partitioned(t: torch.Tensor) -> bool:
-    """Whether a strategy holds `t` only as shards (ZeRO-3's trainable parameters; frozen ones
-    stay whole and are saved with the model)."""
-    owner = getattr(t, "_trident_zero", None)
-    return owner is not None and owner.partitions_parameters
+def is_partitioned(t: torch.Tensor, strategy) -> bool:
+    """Whether the engine's gradient strategy holds `t` only as shards (ZeRO-3's parameters)."""
+    return strategy.partitions(t)
 
 
 def tied_names(module: torch.nn.Module) -> dict[str, str]:
@@ -108,12 +106,10 @@ def optim_file(mesh) -> str:
     return f"optim_pp{mesh.pp_rank}{_ep_part(mesh)}_tp{mesh.tp_rank}.pt"
 
 
-def global_shape(t: torch.Tensor) -> tuple[int, ...]:
-    """A tensor's whole (un-ZeRO-partitioned) shape; tp slicing is not undone."""
-    owner = getattr(t, "_trident_zero", None)  # the strategy that partitions it, if any
-    if owner is not None and owner.partitions_parameters:
-        return owner.full_shape(t)
-    return tuple(t.shape)
+def global_shape(t: torch.Tensor, strategy) -> tuple[int, ...]:
+    """A tensor's whole (un-ZeRO-partitioned) shape, as the engine's strategy knows it; tp slicing
+    is not undone."""
+    return strategy.full_shape(t) if strategy.partitions(t) else tuple(t.shape)
 
 
 def read_manifest(folder: Path) -> dict:

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 from trident.checkpointing.files import (CLIENT_FILE, FORMAT_VERSION, MANIFEST, STATE_FILE, CheckpointError,
-                                        is_partitioned, load_pickle, load_tensors, read_manifest, sha256_of,
+                                        global_shape, is_partitioned, load_pickle, load_tensors, read_manifest, sha256_of,
                                         write_hashed)
 from trident.tensor_parallel.split import ShardSpec
 from trident.zero.partition import ShardedLayout
@@ -252,7 +252,8 @@ def _scatter_partition(out: dict[str, ParamState], group: dict, chunk_states: li
 # -- loading under this engine's layout --------------------------------------------------------
 
 
-def local_value(value: torch.Tensor, target: torch.Tensor, tp_rank: int, name: str, folder: Path) -> torch.Tensor:
+def local_value(value: torch.Tensor, target: torch.Tensor, tp_rank: int, name: str, folder: Path,
+                strategy) -> torch.Tensor:
     """`value` (whole) cut to what `target` holds on this tp rank; shapes checked."""
     spec = getattr(target, "tp_spec", None) if getattr(target, "tensor_model_parallel", False) else None
     if spec is not None and spec.tp_size > 1:
@@ -260,10 +261,7 @@ def local_value(value: torch.Tensor, target: torch.Tensor, tp_rank: int, name: s
             raise CheckpointError(f"{folder}: tensor {name!r} has size {value.shape[spec.dim]} along dim {spec.dim}, "
                                   f"this model's is {spec.full_size}; the checkpoint is of another model")
         return spec.shard(value, tp_rank)
-    shape = tuple(getattr(target, "_trident_shape", None) or target.shape)
-    owner = getattr(target, "_trident_zero", None)  # the strategy that partitions it, if any
-    if owner is not None and owner.partitions_parameters:
-        shape = owner.full_shape(target)
+    shape = global_shape(target, strategy)
     if tuple(value.shape) != shape:
         raise CheckpointError(f"{folder}: tensor {name!r} has shape {tuple(value.shape)}, this model's is "
                               f"{shape}; the checkpoint is of another model")
@@ -276,12 +274,12 @@ def prepare_resharded(engine, reader: CheckpointReader, load_optimizer_states: b
     them in place; reading uses no collective, so a bad file fails before any rank commits."""
     mesh, strategy, folder = engine.mesh, engine.strategy, reader.folder
     params = dict(engine.module.named_parameters())
-    partitioned = {id(p) for p in params.values() if is_partitioned(p)}
+    partitioned = {id(p) for p in params.values() if is_partitioned(p, strategy)}
     entries = {}
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) in partitioned:
             continue
-        entries[name] = local_value(reader.value(name), t, mesh.tp_rank, name, folder).to(t.dtype)
+        entries[name] = local_value(reader.value(name), t, mesh.tp_rank, name, folder, strategy).to(t.dtype)
 
     def local_state(name: str) -> ParamState:
         state = reader.param_state(name)
@@ -290,9 +288,10 @@ def prepare_resharded(engine, reader: CheckpointReader, load_optimizer_states: b
             if target.requires_grad:
                 raise _missing(folder, name)
             state = ParamState(reader.value(name).float(), -1, {})  # frozen: its value, no state
-        cut = ParamState(local_value(state.master, target, mesh.tp_rank, name, folder), state.group, dict(state.state))
+        cut = ParamState(local_value(state.master, target, mesh.tp_rank, name, folder, strategy), state.group,
+                         dict(state.state))
         for key, v in state.per_element().items():
-            cut.state[key] = local_value(v, target, mesh.tp_rank, name, folder)
+            cut.state[key] = local_value(v, target, mesh.tp_rank, name, folder, strategy)
         return cut
 
     skeleton = strategy.state_dict()

@@ -138,7 +138,7 @@ def _model_tensors(engine) -> dict[str, torch.Tensor]:
     partitioned parameter. Tied entries are written once (safetensors refuses shared storage)."""
     out, seen = {}, set()
     for name, t in engine.module.state_dict(keep_vars=True).items():
-        if id(t) in seen or is_partitioned(t):
+        if id(t) in seen or is_partitioned(t, engine.strategy):
             continue
         seen.add(id(t))
         out[name] = t.detach().contiguous().clone()
@@ -152,7 +152,7 @@ def _tensor_entries(engine, file: str) -> dict[str, dict]:
     mesh = engine.mesh
     out = {}
     for name, t in engine.module.state_dict(keep_vars=True).items():
-        local = list(global_shape(t))
+        local = list(global_shape(t, engine.strategy))
         shape = list(local)
         spec = getattr(t, "tp_spec", None) if getattr(t, "tensor_model_parallel", False) else None
         sl = [[0, n] for n in local]

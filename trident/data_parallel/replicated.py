@@ -134,6 +134,9 @@ class ReplicatedOptimizer(LocalStep):
     def full_shape(self, t: torch.Tensor) -> tuple[int, ...]:
         return tuple(t.shape)
 
+    def partitions(self, t: torch.Tensor) -> bool:
+        return False
+
     def close(self) -> None:
         """Nothing outlives a step."""
 

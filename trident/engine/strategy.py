@@ -129,6 +129,10 @@ class GradientStrategy(Protocol):
     def full_shape(self, t: torch.Tensor) -> tuple[int, ...]:
         """The shape of parameter `t` as the model defines it (not its partition)."""
 
+    def partitions(self, t: torch.Tensor) -> bool:
+        """True when this strategy holds `t` only as shards between steps (ZeRO-3's parameters):
+        the module's state dict then has no whole copy of it (checkpoints ask this)."""
+
     def close(self) -> None:
         """Release what outlives a step (swap files, I/O threads, connections)."""
 

@@ -133,9 +133,9 @@ class FolderWriter:
 
 # -- from a running engine -----------------------------------------------------------------------
 
-def _whole_shape(t: torch.Tensor) -> tuple[int, ...]:
-    from trident.checkpointing.state import global_shape
-    shape = list(getattr(t, "_trident_shape", None) or global_shape(t))
+def _whole_shape(t: torch.Tensor, strategy) -> tuple[int, ...]:
+    from trident.checkpointing.files import global_shape
+    shape = list(global_shape(t, strategy))
     spec = getattr(t, "tp_spec", None) if getattr(t, "tensor_model_parallel", False) else None
     if spec is not None:
         shape[spec.dim] = spec.full_size
@@ -177,7 +177,7 @@ def save_pretrained(engine, save_dir: str | Path, *, max_shard_size: int | str =
     def out_dtype(t: torch.Tensor) -> torch.dtype:
         return dtype if (dtype is not None and t.is_floating_point()) else t.dtype
 
-    sizes = [(n, _numel(_whole_shape(state[n])) * torch.empty(0, dtype=out_dtype(state[n])).element_size())
+    sizes = [(n, _numel(_whole_shape(state[n], engine.strategy)) * torch.empty(0, dtype=out_dtype(state[n])).element_size())
              for n in names]
     groups = plan_files(sizes, parse_size(max_shard_size))
     writer = FolderWriter(save_dir, groups) if engine.ranks.writer else None

@@ -240,6 +240,9 @@ class PushPullStrategy:
     def full_shape(self, t: torch.Tensor) -> tuple[int, ...]:
         return tuple(t.shape)
 
+    def partitions(self, t: torch.Tensor) -> bool:
+        return False
+
     # -- leaving ---------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -449,8 +449,13 @@ class ZeroOptimizer(PartitionCheckpoint, LocalStep):
         if self.param_store is not None:
             self.param_store.close()
 
+    def partitions(self, t: torch.Tensor) -> bool:
+        return self.partitions_parameters and id(t) in self.param_to_group
+
     def full_shape(self, t: torch.Tensor) -> tuple[int, ...]:
         """A parameter's shape as the model defines it (under stage 3 its data is a placeholder)."""
+        if id(t) not in self.param_to_group:
+            return tuple(t.shape)
         pg = self.param_to_group[id(t)]
         index = next(i for i, q in enumerate(pg.params) if q is t)
         return next(s.shape for u in pg.layout.units for s in u.slots if s.index == index)
