@@ -190,3 +190,43 @@ def test_config_contradicting_training_arguments_is_the_fill_auto_mismatch(confi
         TridentTrainer(model=make_model(), args=args, train_dataset=dataset(), trident_config=config)
     assert [i.path for i in err.value.issues] == [key]
     assert "disagrees with" in str(err.value) and "\"auto\"" in str(err.value)
+
+
+def ragged_dataset() -> list[dict]:
+    """Rows whose labels count very different numbers of tokens (-100 after each row's length)."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+    rows = []
+    for i, row in enumerate(ids):
+        labels = row.clone()
+        labels[int(torch.randint(3, 6, (), generator=g)) if (i // 2) % 2 else SEQ:] = -100  # pairs: full, short
+        rows.append({"input_ids": row, "labels": labels})
+    return rows
+
+
+def ragged_run(trident_side: bool, out: str, per_device: int, accumulation: int) -> dict:
+    args = training_args(out, per_device, "sgd", 0.5, 0.05, accumulation, save=False)
+    if trident_side:
+        from trident.integrations.transformers import TridentTrainer
+        trainer = TridentTrainer(model=make_model(), args=args, train_dataset=ragged_dataset(), mesh=cached_mesh(),
+                                 trident_config={})
+    else:
+        trainer = transformers.Trainer(model=make_model(), args=args, train_dataset=ragged_dataset())
+    trainer.train()
+    model = trainer.model
+    return {"losses": logged(trainer.state.log_history), "norms": logged(trainer.state.log_history, "grad_norm"),
+            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.parametrize("world,per_device,accumulation", [(1, 2, 2), (2, 2, 1)])
+def test_ragged_labels_train_as_transformers_trainer_normalizes_them(world, per_device, accumulation, tmp_path):
+    """transformers' Trainer divides a window's token losses by their count (`num_items_in_batch`):
+    TridentTrainer passes the same count, summed over its data-parallel ranks, so one process
+    with accumulation and two ranks without train as one process does."""
+    ref = ragged_run(False, str(tmp_path / "ref"), 4 // accumulation if world == 1 else 4, accumulation if world == 1
+                     else 1)
+    for got in run_on_ranks(world, ragged_run, True, str(tmp_path / "trident"), per_device, accumulation):
+        assert_close(got["losses"], ref["losses"], 1e-5, "loss")
+        assert_close(got["norms"], ref["norms"], 1e-5, "grad_norm")
+        for k, v in ref["weights"].items():
+            assert torch.allclose(got["weights"][k], v, rtol=1e-5, atol=1e-7), k

@@ -71,6 +71,13 @@ class DataConfig(Section):
         "One document per sample, batched with documents of similar length under max_tokens_per_batch."))
     max_tokens_per_batch: int | None = Field(None, gt=0, description=(
         "With bucketing: padded tokens per micro-batch (instead of a sample count); null = micro batch x seq_len."))
+    loss_normalization: Literal["tokens", "micro_batch"] | None = Field(None, description=(
+        "How a step's gradient is normalized. \"tokens\": the sum of every counted token's loss gradient "
+        "divided by the step's global count (summed over accumulation, data-parallel and context-parallel "
+        "ranks), so any split of the same global batch gives the same update, and the logged loss is the "
+        "global token mean. \"micro_batch\": the mean of the micro-batches' own means (DeepSpeed's). null: "
+        "\"tokens\" when every micro-batch's counted tokens are known (trident's GPT and transformers causal "
+        "LMs called with their labels, or engine.backward(loss, num_tokens=...)), else \"micro_batch\"."))
     num_workers: int = Field(0, ge=0, description=(
         "Loader worker processes per rank (prefetching); 0 = read in the training process, which on CPU is "
         "cheaper: a memory-mapped sample costs microseconds, a worker's hand-over milliseconds."))

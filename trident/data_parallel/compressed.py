@@ -91,11 +91,13 @@ class CompressedStrategy(ReplicatedOptimizer):
                 r.buffer.zero_()
 
     def step(self, max_norm: float, loss_scale: float, split_groups: Sequence[dist.ProcessGroup],
-             lr_scheduler: Any, pending: PendingRead | None = None) -> float:
+             lr_scheduler: Any, pending: PendingRead | None = None, grad_factor: torch.Tensor | None = None) -> float:
         if self._averaged():
-            return super().step(max_norm, loss_scale, split_groups, lr_scheduler, pending)
+            return super().step(max_norm, loss_scale, split_groups, lr_scheduler, pending, grad_factor)
         if pending is not None:
             pending.resolve()
+        if grad_factor is not None:  # token weighting: the gradients are this factor times too large
+            loss_scale = loss_scale / grad_factor.item()
         parts = [(tensors, tuple(groups) + tuple(split_groups)) for tensors, groups in self.grad_parts()]
         norm = global_norm(parts) / loss_scale  # this rank's local gradient
         if not self._all_finite(norm):

@@ -24,7 +24,9 @@ from trident.engine.strategy import GradientStrategy, RemoteStrategy
 from trident.engine.timers import Timers
 from trident.moe.parallel import moe_events, moe_summary
 from trident.monitor.log import logger
-from trident.parallel.mesh import ParallelMesh
+from trident.engine.token_loss import MICRO_BATCH, TOKENS, TokenWeighting
+from trident.parallel.adapter import adapter_for
+from trident.parallel.mesh import DENSE_GRADIENT_AXES, ParallelMesh
 from trident.precision.mixed import MasterWeights
 
 
@@ -99,6 +101,8 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
         self._backward_pending = False
         self._window_open = False
         self._pending_read = None  # a PendingRead the next optimizer step checks (the pipeline engine's)
+        self._grad_factor: torch.Tensor | None = None  # the next step's token-weighting factor
+        self.token_weighting = _token_weighting(module, config, mesh, strategy)
 
     # -- coordinates (DeepSpeed names) -----------------------------------------------------
 
@@ -160,11 +164,15 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
         """Run the model; floating-point inputs are cast to the model's dtype (bf16/fp16)."""
         self._start_window()
         with self.timers("forward"):
+            self.token_weighting.count_forward(inputs, kwargs)
             inputs, kwargs = _cast_floats((inputs, kwargs), self.compute_dtype)
             return self.module(*inputs, **kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backpropagate `loss` (scaled for fp16 and averaged over the accumulation window).
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True,
+                 num_tokens: Any = None) -> torch.Tensor:
+        """Backpropagate `loss` (scaled for fp16 and averaged over the accumulation window, or
+        weighted by its token count: `num_tokens` is how many tokens a loss of one's own is a mean
+        over, `trident.engine.token_loss`).
 
         On the accumulation boundary the gradient all-reduce runs inside this call,
         overlapped with backward.
@@ -181,10 +189,14 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
                 "engine.step() after every engine.backward() (it only updates the weights on "
                 "gradient-accumulation boundaries)")
         self._start_window()
-        self._window_loss = self._window_loss + loss.detach().float()
+        tokens = self.token_weighting.weigh(loss, num_tokens)
         scale = self.loss_scale
-        if scale_wrt_gas:
-            scale /= self.batch.gradient_accumulation_steps
+        if tokens is not None:  # the loss sum; the step divides by the global count
+            scale = tokens.float() * scale
+        else:
+            self._window_loss = self._window_loss + loss.detach().float()
+            if scale_wrt_gas:
+                scale /= self.batch.gradient_accumulation_steps
         with self.timers("backward"):
             self.strategy.start_backward(boundary=self.is_gradient_accumulation_boundary())
             (loss.float() * scale).backward(retain_graph=retain_graph)
@@ -197,7 +209,12 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self._boundary_override = None  # set_gradient_accumulation_boundary holds for one micro-step
         if boundary:
-            self._boundary_step(self._window_loss / self.batch.gradient_accumulation_steps)
+            weighted = self.token_weighting.close_window()
+            if weighted is not None:
+                self._grad_factor, window_loss = weighted
+            else:
+                window_loss = self._window_loss / self.batch.gradient_accumulation_steps
+            self._boundary_step(window_loss)
             self._window_loss = 0.0
             self._window_open = False
         self.micro_steps += 1
@@ -237,8 +254,9 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
         # partitions, or parameter servers) and returns the norm; a non-finite one, the same on
         # every rank, means nothing was applied: the overflow check.
         pending, self._pending_read = self._pending_read, None
+        factor, self._grad_factor = self._grad_factor, None
         norm = self.strategy.step(self.config.gradient_clipping, self.loss_scale, self._grad_split_groups(),
-                                  self.lr_scheduler, pending)
+                                  self.lr_scheduler, pending, factor)
         overflow = norm is not None and not math.isfinite(norm)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)
@@ -358,43 +376,19 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
     # -- checkpoints -----------------------------------------------------------------------
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """Write the model's weights in the compute dtype to save_dir/save_filename (rank 0).
+        """Write the model's weights in the compute dtype to save_dir/save_filename (rank 0;
+        collective): DeepSpeed's method, `trident.engine.full_state.save_16bit_model`."""
+        from trident.engine.full_state import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename)
 
-        Collective. Under ZeRO stage 3 the weights are gathered only when
-        `stage3_gather_16bit_weights_on_model_save` is true; otherwise nothing is written, a
-        warning says to consolidate the checkpoint instead, and False is returned (DeepSpeed's
-        behaviour). A `.safetensors` name writes safetensors, anything else torch.save.
-        """
-        import os
-        from pathlib import Path
-
-        from safetensors.torch import save_file
-
-        if self.strategy.partitions_parameters and \
-                not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
-            logger.warning("save_16bit_model: ZeRO stage 3 keeps the weights partitioned and "
-                           "zero_optimization.stage3_gather_16bit_weights_on_model_save is false, so nothing "
-                           "was saved; set it to true, or save a checkpoint and run "
-                           "`trident checkpoint consolidate`")
-            return False
-        state = self.consolidated_state_dict()
-        if self.ranks.writer:
-            path = Path(save_dir) / save_filename
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
-            if path.suffix == ".safetensors":
-                seen, unique = set(), {}
-                for k, v in self.module.state_dict(keep_vars=True).items():
-                    if id(v) not in seen:
-                        seen.add(id(v))
-                        unique[k] = state[k].contiguous()
-                save_file(unique, str(tmp))
-            else:
-                torch.save(state, tmp)
-            os.replace(tmp, path)
-        if self.ranks.group is not None:
-            collectives.barrier(group=self.ranks.group)
-        return True
+    @property
+    def tokens_in_step(self) -> float | None:
+        """The global number of counted tokens of the last token-weighted step (its loss was the
+        mean over them, `data.loss_normalization`); None before one, or when averaged per micro-batch."""
+        count = self.token_weighting.tokens_in_step
+        if isinstance(count, torch.Tensor):
+            count = self.token_weighting.tokens_in_step = float(count)
+        return count
 
     def save_pretrained(self, save_dir: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None):
         """Write the transformers model inside as `from_pretrained` reads it (`trident.hf.save_pretrained`:
@@ -465,6 +459,19 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def _token_weighting(module: torch.nn.Module, config, mesh: ParallelMesh | None, strategy) -> TokenWeighting:
+    """`data.loss_normalization` for this engine: token-weighted where the gradient is averaged
+    over the dense gradient group on this rank (not for parameter-server workers)."""
+    mode = config.data.loss_normalization
+    if isinstance(strategy, RemoteStrategy) or mesh is None:
+        if mode == TOKENS:
+            raise ValueError("data.loss_normalization \"tokens\" is not supported with parameter servers (the "
+                             "servers average the workers' windows); set it to \"micro_batch\" or null")
+        return TokenWeighting(MICRO_BATCH, None, None, 1, 1)
+    return TokenWeighting(mode, adapter_for(module), mesh.group(*DENSE_GRADIENT_AXES),
+                          mesh.topology.size(DENSE_GRADIENT_AXES), mesh.cp_size)
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:

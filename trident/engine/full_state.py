@@ -17,10 +17,16 @@ the engine calls these in the same order.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
+
+from trident.comm import collectives
+from trident.monitor.log import logger
 
 from trident.tensor_parallel.layers import gather_whole, is_tp_split
 from trident.zero.init import GatheredParameters
@@ -71,3 +77,38 @@ def full_state_dict(engine, names: Iterable[str] | None = None, dtype: torch.dty
     module = engine.module
     return whole_tensors(module, module.state_dict().keys() if names is None else names, engine.mesh,
                          dtype=dtype, merge_tp=merge_tp)
+
+
+def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+    """Write the model's weights in the compute dtype to save_dir/save_filename (rank 0).
+
+    Collective. Under ZeRO stage 3 the weights are gathered only when
+    `stage3_gather_16bit_weights_on_model_save` is true; otherwise nothing is written, a
+    warning says to consolidate the checkpoint instead, and False is returned (DeepSpeed's
+    behaviour). A `.safetensors` name writes safetensors, anything else torch.save.
+    """
+    if engine.strategy.partitions_parameters and \
+            not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        logger.warning("save_16bit_model: ZeRO stage 3 keeps the weights partitioned and "
+                       "zero_optimization.stage3_gather_16bit_weights_on_model_save is false, so nothing "
+                       "was saved; set it to true, or save a checkpoint and run "
+                       "`trident checkpoint consolidate`")
+        return False
+    state = engine.consolidated_state_dict()
+    if engine.ranks.writer:
+        path = Path(save_dir) / save_filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        if path.suffix == ".safetensors":
+            seen, unique = set(), {}
+            for k, v in engine.module.state_dict(keep_vars=True).items():
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    unique[k] = state[k].contiguous()
+            save_file(unique, str(tmp))
+        else:
+            torch.save(state, tmp)
+        os.replace(tmp, path)
+    if engine.ranks.group is not None:
+        collectives.barrier(group=engine.ranks.group)
+    return True

@@ -38,6 +38,8 @@ import torch.distributed as dist
 
 from trident.comm import collectives, p2p
 from trident.engine.engine import Engine
+from trident.engine.token_loss import MICRO_BATCH, TOKENS
+from trident.moe.parallel import moe_layers
 from trident.monitor.log import logger
 from trident.parallel.mesh import ParallelMesh
 from trident.pipeline.executor import PipelineError, StageExecutor, StageResult
@@ -73,6 +75,22 @@ class PipelineEngine(Engine):
         self._tied_incoming: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # owner: (sum, received)
         self._step_handlers = {ReduceTiedGrads: self._reduce_tied_grads, ReduceGrads: self._reduce_grads,
                                OptimizerStep: self._optimizer_step}
+        self._token_weighted = self._decide_token_weighting()
+
+    def _decide_token_weighting(self) -> bool:
+        """`data.loss_normalization` for a pipeline: token-weighted when the loss can count its
+        tokens (`loss_fn.loss_tokens`) and no stage adds auxiliary losses (MoE), whose per-micro-
+        batch weights the count cannot scale; the same answer on every rank (one all-reduce)."""
+        mode = self.config.data.loss_normalization
+        countable = callable(getattr(self.module.loss_fn, "loss_tokens", None))
+        aux = torch.tensor([float(bool(moe_layers(self.module)))], device=self.executor.device)
+        collectives.all_reduce(aux, op=dist.ReduceOp.MAX, group=self.mesh.mesh_group)
+        if mode == TOKENS and (not countable or aux.item()):
+            why = ("its loss_fn has no loss_tokens(labels) saying how many tokens its mean is over" if not countable
+                   else "a stage adds auxiliary (MoE) losses, whose weights the count cannot scale")
+            raise ValueError(f"data.loss_normalization is \"tokens\", but this pipeline cannot weight its loss by "
+                             f"tokens: {why}; set data.loss_normalization to \"micro_batch\" or null")
+        return mode != MICRO_BATCH and countable and not aux.item()
 
     # -- coordinates -----------------------------------------------------------------------
 
@@ -103,14 +121,18 @@ class PipelineEngine(Engine):
         self.module.train()
         split = next(i for i, instr in enumerate(self.train_program) if isinstance(instr, STEP))
         self._post_tied_receives()
+        weighted = self._token_weighted
         with self.timers("pipeline"):
-            result = self.executor.run(self.train_program[:split], data_iter,
-                                       loss_scale=self.loss_scale / self.micro_batches, train=True)
+            result = self.executor.run(self.train_program[:split], data_iter, train=True, token_weighted=weighted,
+                                       loss_scale=self.loss_scale if weighted else self.loss_scale / self.micro_batches)
         self._send_tied_grads()
         # Whether a stage failed is read with the gradient norm, before anything is applied:
         # one host sync a step. Every rank runs the step's collectives either way, so none waits.
         status = self._status(result)
         self._batch_loss = status[1]
+        if weighted:  # the gradient factor and the global token mean (trident.engine.token_loss)
+            self._grad_factor, self._batch_loss = self.token_weighting.factor_and_mean(
+                status[2:3] * self.mesh.cp_size, status[3] * self.mesh.cp_size)
         self._pending_read = PendingRead(status, lambda values: self._stop_if_failed(values, result, "train_batch"))
         for instr in self.train_program[split:]:
             self._step_handlers[type(instr)]()
@@ -118,7 +140,7 @@ class PipelineEngine(Engine):
             pending, self._pending_read = self._pending_read, None
             pending.resolve()
         self.micro_steps += self.micro_batches
-        return status[1].float()
+        return self._batch_loss.float()
 
     def _default_data_iter(self) -> Iterator | None:
         if self.training_dataloader is None:
@@ -163,8 +185,13 @@ class PipelineEngine(Engine):
         mesh = self.mesh
         replicas = mesh.world_size // mesh.pp_size
         device = self.executor.device
-        status = torch.zeros(2, dtype=torch.float64, device=device)
+        status = torch.zeros(4, dtype=torch.float64, device=device)
         status[0] = 1.0 if result.error else 0.0
+        if self.is_last_stage() and result.counts:  # token-weighted: [2] the global count, [3] the loss sum
+            counts = torch.stack(result.counts).to(device, torch.float64)
+            shared = mesh.tp_size * mesh.cp_size  # tp and cp ranks count the same sequences
+            status[2] += counts.sum() / shared
+            status[3] += (counts * torch.stack(result.losses).to(device, torch.float64)).sum() / shared
         if self.is_last_stage() and result.losses:
             # every last-stage rank (dp x cp x ep x tp of them) adds its share; cp and tp ranks
             # report the same batch's loss, dp and ep ranks their own batches'

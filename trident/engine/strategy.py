@@ -71,7 +71,7 @@ class GradientStrategy(Protocol):
     # -- the step --------------------------------------------------------------------------
 
     def step(self, max_norm: float, loss_scale: float, split_groups: Sequence[dist.ProcessGroup],
-             lr_scheduler: Any, pending: Any = None) -> float | None:
+             lr_scheduler: Any, pending: Any = None, grad_factor: torch.Tensor | None = None) -> float | None:
         """End the window's update wherever the optimizer runs: clip the gradient to `max_norm`
         (0: off), apply it, and advance `lr_scheduler` with it (a strategy whose schedule runs
         elsewhere ignores it). Gradients are `loss_scale` times too large and also differ across
@@ -80,7 +80,8 @@ class GradientStrategy(Protocol):
         learn it (a parameter-server worker without clipping). Local strategies build it from
         `grad_parts` and `optimizer_step` (`trident.optim.step.LocalStep`). `pending`
         (`trident.optim.step.PendingRead`, pipelines) is read with the norm and checked before
-        anything is applied."""
+        anything is applied; `grad_factor` (a one-element device tensor, token weighting) scales
+        the gradients before the norm, the clip and the update."""
 
     def grad_parts(self) -> Parts:
         """The gradient pieces this rank holds, each with the groups across which ranks hold

@@ -27,15 +27,23 @@ class PendingRead:
     values: torch.Tensor
     check: Callable[[list[float]], None]
 
-    def resolve(self, first: torch.Tensor | None = None) -> float | None:
-        """Read `first` (a one-element tensor) and the values in one transfer, run `check`, and
-        return `first`'s value."""
-        if first is None:
+    def resolve(self, *first: torch.Tensor) -> list[float]:
+        """Read `first` (one-element tensors) and the values in one transfer, run `check`, and
+        return `first`'s values."""
+        if not first:
             self.check(self.values.reshape(-1).tolist())
-            return None
-        both = torch.cat([first.reshape(1), self.values.reshape(-1).to(first.device, first.dtype)]).tolist()
-        self.check(both[1:])
-        return both[0]
+            return []
+        read = host_values(*first, self.values)
+        self.check(read[len(first):])
+        return read[:len(first)]
+
+
+def host_values(*tensors: torch.Tensor) -> list[float]:
+    """The elements of small device tensors on the host, in one transfer (one host sync)."""
+    if len(tensors) == 1 and tensors[0].numel() == 1:
+        return [tensors[0].item()]
+    device, dtype = tensors[0].device, tensors[0].dtype
+    return torch.cat([t.reshape(-1).to(device, dtype) for t in tensors]).tolist()
 
 
 class LocalStep:
@@ -45,20 +53,24 @@ class LocalStep:
         """Nothing to wait for at a window's start: the parameters are this rank's."""
 
     def step(self, max_norm: float, loss_scale: float, split_groups: Sequence[dist.ProcessGroup],
-             lr_scheduler: Any, pending: PendingRead | None = None) -> float:
+             lr_scheduler: Any, pending: PendingRead | None = None,
+             grad_factor: torch.Tensor | None = None) -> float:
         """Clip to `max_norm` and step the optimizer and `lr_scheduler`; returns the norm.
 
         One pass over the gradient pieces this rank holds and one all-reduce per group that
         splits them give the global norm; an inf or NaN anywhere makes it non-finite on every
-        rank, which is the overflow check too: then nothing is stepped. Reading the norm is the
-        step's one host sync (`pending` values come with it).
+        rank, which is the overflow check too: then nothing is stepped. The gradients are
+        `grad_factor` (a device tensor: token weighting's A / N) times too small or large, when
+        given. Reading the norm is the step's one host sync (the factor and `pending` values
+        come with it).
         """
         parts = [(tensors, tuple(groups) + tuple(split_groups)) for tensors, groups in self.grad_parts()]
-        sq = global_sum_of_squares(parts)
-        total = pending.resolve(sq) if pending is not None else sq.item()
-        norm = math.sqrt(total) / loss_scale
+        first = [global_sum_of_squares(parts)] + ([grad_factor] if grad_factor is not None else [])
+        read = pending.resolve(*first) if pending is not None else host_values(*first)
+        factor = read[1] if grad_factor is not None else 1.0
+        norm = math.sqrt(read[0]) * factor / loss_scale
         if math.isfinite(norm):
-            self.optimizer_step(clip_coefficient(norm, max_norm) / loss_scale)
+            self.optimizer_step(clip_coefficient(norm, max_norm) * factor / loss_scale)
             if lr_scheduler is not None:
                 lr_scheduler.step()
         return norm

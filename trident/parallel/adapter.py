@@ -80,6 +80,12 @@ class ModelAdapter(Protocol):
         """(name, module) of the model an export writes (e.g. the transformers PreTrainedModel
         inside a wrapper), or None when the family exports nothing."""
 
+    def loss_tokens(self, args: tuple, kwargs: dict) -> Any:
+        """For a call `root(*args, **kwargs)` that returns the family's mean token loss: how many
+        tokens that mean is over (labels other than -100; a count tensor), for token-weighted
+        losses (`data.loss_normalization`); None when the call carries no labels the family
+        knows (a wrapper with arguments of its own, a call for logits)."""
+
     def export_record(self) -> dict | None:
         """What a checkpoint's manifest records so that the export can be written later from the
         checkpoint alone (config, names); None when there is nothing to record."""

@@ -108,7 +108,7 @@ class PushPullStrategy:
     # -- the step --------------------------------------------------------------------------
 
     def step(self, max_norm: float, loss_scale: float, split_groups: Sequence[dist.ProcessGroup],
-             lr_scheduler: Any, pending=None) -> float | None:
+             lr_scheduler: Any, pending=None, grad_factor=None) -> float | None:
         """Push the window's gradient; sync: wait for the new parameters. The servers run the
         schedule; `split_groups` is empty (pipelines are refused). Under fp16 (sync only) the
         gradient is `loss_scale` times too large: the servers unscale it, and return a

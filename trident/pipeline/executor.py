@@ -83,6 +83,7 @@ class StageResult:
     # 0-dim tensors on the stage's device, read on the host only when the step needs them
     losses: list[torch.Tensor] = field(default_factory=list)
     aux_losses: list[torch.Tensor] = field(default_factory=list)  # this stage's auxiliary losses, per micro-batch
+    counts: list[torch.Tensor] = field(default_factory=list)  # token-weighted runs: each loss's counted tokens
     error: str | None = None
     failed_at: float | None = None
     exception: BaseException | None = None
@@ -120,9 +121,12 @@ class StageExecutor:
     # -- the step --------------------------------------------------------------------------
 
     def run(self, program: Sequence[Instruction], data_iter: Iterator | None, loss_scale: float = 1.0,
-            train: bool = True) -> StageResult:
-        """Execute the micro-batch instructions of `program`; a stage error is returned, not raised."""
+            train: bool = True, token_weighted: bool = False) -> StageResult:
+        """Execute the micro-batch instructions of `program`; a stage error is returned, not raised.
+        `token_weighted`: the last stage backpropagates each loss times its counted tokens
+        (`loss_fn.loss_tokens(labels)`), and the step divides by the global count."""
         self._begin(program, data_iter, loss_scale, train)
+        self._token_weighted = token_weighted
         if self.record:
             self.trace, self.trace_start = [], time.perf_counter()
         result = StageResult()
@@ -149,6 +153,7 @@ class StageExecutor:
                 work.wait()
         result.losses = list(self._losses) if result.error is None else []
         result.aux_losses = list(self._aux.values()) if result.error is None else []
+        result.counts = list(self._counts.values()) if result.error is None else []
         self._begin((), None, 1.0, train)  # drop the step's tensors
         return result
 
@@ -165,6 +170,7 @@ class StageExecutor:
         self._stores: dict[tuple[int, int], WeightGradStore] = {}
         self._losses: list[torch.Tensor] = []
         self._aux: dict[int, torch.Tensor] = {}  # micro-batch -> its auxiliary losses on this stage
+        self._counts: dict[int, torch.Tensor] = {}  # micro-batch -> its loss's counted tokens (token-weighted)
         self._inflight: list[Handle] = []  # sends, waited at the end of the run
         self._keep: list[Any] = []  # tensors being sent
         self._posted: set[Instruction] = set()
@@ -228,7 +234,10 @@ class StageExecutor:
         if store is not None:
             self._stores[(micro, chunk)] = store
         if self.module.is_last(chunk):
-            loss = self.module.loss_fn(out, self._labels.pop(micro)) if self.module.loss_fn else out
+            labels = self._labels.pop(micro)
+            if getattr(self, "_token_weighted", False):
+                self._counts[micro] = self.module.loss_fn.loss_tokens(labels)
+            loss = self.module.loss_fn(out, labels) if self.module.loss_fn else out
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                 raise ValueError(f"the pipeline's loss must be a scalar tensor, got {_describe(loss)}; give "
                                  f"PipelineModule a loss_fn(outputs, labels) that returns one number")
@@ -243,7 +252,9 @@ class StageExecutor:
         self._start_backward()
         out = self._outputs.pop(key)
         if self.module.is_last(instr.chunk):
-            (out.float() * self._loss_scale).backward()
+            scale = self._loss_scale * self._counts[instr.micro].float() if instr.micro in self._counts \
+                else self._loss_scale
+            (out.float() * scale).backward()
         else:
             floats = [o for o in out if o.is_floating_point()]
             pairs = [(o, g) for o, g in zip(floats, self._grads_out.pop(key)) if o.requires_grad]

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from trident.models.gpt.model import GPT
+from trident.models.gpt.model import GPT, counted_tokens
 from trident.models.gpt.plan import PLAN
 
 
@@ -68,3 +68,9 @@ class GPTAdapter:
 
     def export_record(self) -> dict | None:
         return None
+
+    def loss_tokens(self, args: tuple, kwargs: dict) -> Any:
+        if self.root is not self.gpt:
+            return None  # a wrapper: its arguments are its own
+        targets = args[1] if len(args) > 1 else kwargs.get("targets")
+        return None if targets is None else counted_tokens(targets)

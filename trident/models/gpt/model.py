@@ -112,6 +112,11 @@ PUBLISHED_VOCAB: dict[str, int] = {
 """The vocabulary each published preset was trained with (for pricing it as published)."""
 
 
+def counted_tokens(targets: torch.Tensor) -> torch.Tensor:
+    """How many targets GPT's loss is a mean over: those other than -100."""
+    return (targets != -100).sum()
+
+
 class Embedding(nn.Module):
     """Token plus learned position embeddings, then dropout.
 

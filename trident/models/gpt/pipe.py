@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trident.models.gpt.model import GPT, Block, GPTConfig
+from trident.models.gpt.model import GPT, Block, GPTConfig, counted_tokens
 from trident.models.gpt.plan import BLOCK_PLAN
 from trident.parallel.rng import RNGTracker
 from trident.pipeline.adopted import local_part
@@ -136,6 +136,10 @@ class GPTLoss:
 
     def parallelize_context(self, cp) -> None:
         self.cp = cp
+
+    def loss_tokens(self, targets: torch.Tensor) -> torch.Tensor:
+        """The tokens the loss is a mean over (token-weighted losses, trident.engine.token_loss)."""
+        return counted_tokens(targets)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.cp is None:
@@ -263,6 +267,10 @@ class VocabParallelLoss:
 
     def parallelize_context(self, cp) -> None:
         self.cp = cp
+
+    def loss_tokens(self, targets: torch.Tensor) -> torch.Tensor:
+        """The tokens the loss is a mean over (token-weighted losses, trident.engine.token_loss)."""
+        return counted_tokens(targets)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.cp is None:

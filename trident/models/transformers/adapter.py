@@ -22,7 +22,7 @@ from torch import nn
 from trident.models.transformers import context_parallel, export, tensor_parallel
 from trident.models.transformers.detect import find_causal_lm, find_pretrained, find_transformers_model, name_of
 from trident.models.transformers.layout import DecoderLayout, decoder_layout
-from trident.models.transformers.pipeline import TransformersStage, sequence_between, split_causal_lm
+from trident.models.transformers.pipeline import TransformersStage, causal_lm_tokens, sequence_between, split_causal_lm
 from trident.monitor.log import logger
 from trident.parallel.adapter import register_adapter
 from trident.pipeline.adopted import hf_names
@@ -147,6 +147,14 @@ class TransformersAdapter:
             logger.warning("checkpoint manifest: could not record the transformers config (%s); `trident checkpoint "
                         "export-hf` will need --config", err)
             return None
+
+    def loss_tokens(self, args: tuple, kwargs: dict) -> Any:
+        labels = kwargs.get("labels")
+        if self.lm is None or self.root is not self.lm or labels is None:
+            return None  # a wrapper's arguments are its own; no labels, no loss
+        if kwargs.get("num_items_in_batch") is not None:
+            return None  # the loss is already a sum over the window's global count (transformers' Trainer)
+        return causal_lm_tokens(labels)
 
     def _split_whole(self, skeleton: nn.Module) -> TransformersStage:
         return type(self)(skeleton, skeleton).split_pipeline(1, stage_id=0, release=False, trust_layout=True)

@@ -165,6 +165,16 @@ class CausalLMLoss:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size)
 
+    def loss_tokens(self, labels: torch.Tensor) -> torch.Tensor:
+        """The tokens the loss is a mean over: the shifted labels other than -100."""
+        return causal_lm_tokens(labels)
+
+
+def causal_lm_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """How many tokens a transformers causal LM's loss is a mean over: its loss shifts the
+    labels by one inside (the last position predicts nothing) and ignores -100."""
+    return (labels[..., 1:] != -100).sum()
+
 
 class TransformersStage(AdoptedPipelineModule):
     """A stage of a transformers causal LM. It keeps the model's `config` and head plan
