@@ -24,7 +24,7 @@ from trident.engine.strategy import GradientStrategy, RemoteStrategy
 from trident.engine.timers import Timers
 from trident.moe.parallel import moe_events, moe_summary
 from trident.monitor.log import logger
-from trident.engine.token_loss import MICRO_BATCH, TOKENS, TokenWeighting
+from trident.engine.token_loss import MICRO_BATCH, TOKENS, TokenWeighting, configured_mode
 from trident.parallel.adapter import adapter_for
 from trident.parallel.mesh import DENSE_GRADIENT_AXES, ParallelMesh
 from trident.precision.mixed import MasterWeights
@@ -464,7 +464,7 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
 def _token_weighting(module: torch.nn.Module, config, mesh: ParallelMesh | None, strategy) -> TokenWeighting:
     """`data.loss_normalization` for this engine: token-weighted where the gradient is averaged
     over the dense gradient group on this rank (not for parameter-server workers)."""
-    mode = config.data.loss_normalization
+    mode = configured_mode(config)
     if isinstance(strategy, RemoteStrategy) or mesh is None:
         if mode == TOKENS:
             raise ValueError("data.loss_normalization \"tokens\" is not supported with parameter servers (the "

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from trident.comm import collectives, p2p
 from trident.engine.engine import Engine
-from trident.engine.token_loss import MICRO_BATCH, TOKENS
+from trident.engine.token_loss import MICRO_BATCH, TOKENS, configured_mode
 from trident.moe.parallel import moe_layers
 from trident.monitor.log import logger
 from trident.parallel.mesh import ParallelMesh
@@ -81,7 +81,7 @@ class PipelineEngine(Engine):
         """`data.loss_normalization` for a pipeline: token-weighted when the loss can count its
         tokens (`loss_fn.loss_tokens`) and no stage adds auxiliary losses (MoE), whose per-micro-
         batch weights the count cannot scale; the same answer on every rank (one all-reduce)."""
-        mode = self.config.data.loss_normalization
+        mode = configured_mode(self.config)
         countable = callable(getattr(self.module.loss_fn, "loss_tokens", None))
         aux = torch.tensor([float(bool(moe_layers(self.module)))], device=self.executor.device)
         collectives.all_reduce(aux, op=dist.ReduceOp.MAX, group=self.mesh.mesh_group)

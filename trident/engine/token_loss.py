@@ -30,6 +30,13 @@ from trident.comm import collectives
 TOKENS, MICRO_BATCH = "tokens", "micro_batch"
 
 
+def configured_mode(config) -> str | None:
+    """`data.loss_normalization` as a run takes it: unset under fp16 means per micro-batch (fp16's
+    loss scale is set for mean losses, not sums; "tokens" asks for it explicitly)."""
+    mode = config.data.loss_normalization
+    return MICRO_BATCH if mode is None and config.fp16.enabled else mode
+
+
 class TokenWeighting:
     """One engine's token counts over an accumulation window, and the step's scaling factor."""
 
@@ -40,6 +47,7 @@ class TokenWeighting:
         self._tokens: torch.Tensor | None = None   # the window's count on this rank
         self._loss_sum: torch.Tensor | None = None
         self._unweighted = 0  # micro-batches of the window without a count
+        self._totals: torch.Tensor | None = None  # the window's (count, loss sum) over the group, once reduced
         self.tokens_in_step: torch.Tensor | float | None = None
 
     @property
@@ -50,6 +58,10 @@ class TokenWeighting:
         """Remember how many tokens the loss of this forward is a mean over, when its family says."""
         if self.enabled and self.adapter is not None:
             self._pending = self.adapter.loss_tokens(args, kwargs)
+
+    def next_count(self) -> torch.Tensor | None:
+        """The count the next backward weighs its loss by (the last forward's), or None."""
+        return self._pending if self.enabled else None
 
     def weigh(self, loss: torch.Tensor, num_tokens: Any) -> torch.Tensor | None:
         """The count this micro-batch's loss is weighted by (a float64 tensor), or None when the
@@ -83,13 +95,25 @@ class TokenWeighting:
         device tensors, or None for a window averaged per micro-batch. Collective over the
         gradient group when the window was token-weighted (every rank's is)."""
         self._unweighted = 0
+        totals = self._window_totals()
+        self._tokens = self._loss_sum = self._totals = None
+        return None if totals is None else self.factor_and_mean(totals[0], totals[1])
+
+    def factor_now(self) -> torch.Tensor | None:
+        """The factor the coming step will scale the gradients by (collective, once a window; the
+        step reuses it), for tools that read the gradients between backward and step."""
+        totals = self._window_totals()
+        return None if totals is None else (self.average_over / totals[0]).reshape(1)
+
+    def _window_totals(self) -> torch.Tensor | None:
         if self._tokens is None:
             return None
-        totals = torch.stack([self._tokens, self._loss_sum])
-        self._tokens = self._loss_sum = None
-        if self.average_over > 1:
-            collectives.all_reduce(totals, group=self.group)
-        return self.factor_and_mean(totals[0], totals[1])
+        if getattr(self, "_totals", None) is None:
+            totals = torch.stack([self._tokens, self._loss_sum])
+            if self.average_over > 1:
+                collectives.all_reduce(totals, group=self.group)
+            self._totals = totals
+        return self._totals
 
     def factor_and_mean(self, tokens: torch.Tensor, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """From the count and loss sum over the gradient group (cp ranks counting their shared

@@ -97,6 +97,9 @@ def _reduced_grads(engine) -> dict[str, torch.Tensor]:
     if not engine.strategy.averaged_gradients:
         return {}
     scale = engine.loss_scale
+    factor = engine.token_weighting.factor_now()  # a token-weighted window: the step's A / N
+    if factor is not None:
+        scale = scale / factor.item()
     return _whole(engine, {n: p.grad / scale for n, p in engine.module.named_parameters() if p.grad is not None})
 
 
@@ -113,8 +116,10 @@ def record_run(engine, data, steps: int, micro_ids: Callable[[int], list[int]], 
             batch = collate([data[(start + i) % len(data)] for i in range(micro)])
             torch.manual_seed(seed * 1_000_003 + step * 1009 + m)
             tape.at(step, m)
-            tape.scale = engine.gradient_accumulation_steps() / engine.loss_scale
             loss = engine(*batch) if isinstance(batch, (tuple, list)) else engine(batch)
+            count = engine.token_weighting.next_count()  # a token-weighted backward carries loss x count
+            tape.scale = 1 / (engine.loss_scale * float(count)) if count is not None \
+                else engine.gradient_accumulation_steps() / engine.loss_scale
             engine.backward(loss)
             if engine.is_gradient_accumulation_boundary():
                 rec.grads_at_step.append(_reduced_grads(engine))
