@@ -166,11 +166,15 @@ RULES: dict[str, Rule] = {
     "pipeline.grad_partitioned": Rule(_always, "gradients cross stages whole; same result"),
     "pipeline.use_reentrant": Rule(_always, "trident's recompute does not use reentrant autograd"),
     # -- DeepSpeed's AutoTP section -------------------------------------------------------------
-    "tensor_parallel.autotp_size": Rule(_at_most_one, "1 = no tensor parallelism",
-                                        "DeepSpeed AutoTP (use tensor_parallel.size and tensor_parallel.plan)"),
+    # (`tensor_parallel.autotp_size` is read as tensor_parallel.size with plan "auto": `spellings`)
     "tensor_parallel.tp_overlap_comm": Rule(_always, PERF),
     "tensor_parallel.partition_config": Rule(lambda v: not v, "none given", "AutoTP partition configs"),
 }
+
+
+def top_level_keys() -> frozenset[str]:
+    """The top-level keys these rules handle (what `spellings` must not call unknown)."""
+    return frozenset(path for path in RULES if "." not in path) | {"bfloat16"}
 
 
 def translate(data: dict) -> tuple[dict, list[Note], list[ConfigIssue]]:
