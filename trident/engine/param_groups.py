@@ -185,3 +185,12 @@ def _entry(p: Any, names: dict[int, str], what: str, group: int, plain: bool) ->
         raise ValueError(f"{where} holds a tensor of shape {tuple(p.shape)} that is not a parameter of the model "
                          "given to initialize; pass that model's parameters (e.g. model.parameters())")
     return _Entry(name, weakref.ref(p))
+
+
+def record_deepspeed_arguments(engine: Any, client_optimizer: bool, lr_scheduler: Any, mpu: Any, training_data: Any,
+                               collate_fn: Any) -> None:
+    """Keep on the engine what DeepSpeed's engine keeps of `initialize`'s arguments
+    (`engine.client_optimizer`, `client_lr_scheduler`, `mpu`, `training_data`, `collate_fn`)."""
+    engine.client_optimizer = engine.optimizer if client_optimizer else None
+    engine.client_lr_scheduler = lr_scheduler
+    engine.mpu, engine.training_data, engine.collate_fn = mpu, training_data, collate_fn

@@ -81,8 +81,6 @@ RULES: dict[str, Rule] = {
     "sparse_gradients": Rule(_values(False), "off", "sparse embedding gradients"),
     "seq_parallel_communication_data_type": Rule(_always, "DeepSpeed-Ulysses is not used"),
     "gradient_allreduce_op": Rule(_values("mean", None), "trident averages gradients", "summed gradients"),
-    "dataloader_drop_last": Rule(_values(False), "trident's loader keeps the last batch, as DeepSpeed's default",
-                                 "dropping the last batch in initialize's loader"),
     "data_types": Rule(lambda v: isinstance(v, dict) and v.get("grad_accum_dtype") in (None, "fp32", "float32")
                        and set(v) <= {"grad_accum_dtype"}, "gradients accumulate in fp32",
                        "gradient accumulation in another dtype (data_types)"),
