@@ -41,20 +41,26 @@ SWITCHED_OFF: dict[str, Any] = {
 }
 """Accessor -> its constant answer here (features trident lacks are off; what trident always does)."""
 
-ZERO_SETTINGS: dict[str, str] = {
-    "zero_reduce_scatter": "reduce_scatter", "zero_overlap_comm": "overlap_comm",
-    "zero_sub_group_size": "sub_group_size", "zero_reduce_bucket_size": "reduce_bucket_size",
-    "zero_allgather_bucket_size": "allgather_bucket_size", "zero_contiguous_gradients": "contiguous_gradients",
-    "zero_max_live_parameters": "stage3_max_live_parameters", "zero_max_reuse_distance": "stage3_max_reuse_distance",
-    "zero_prefetch_bucket_size": "stage3_prefetch_bucket_size",
-    "zero_param_persistence_threshold": "stage3_param_persistence_threshold",
-    "zero_gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
-    "zero_round_robin_gradients": "round_robin_gradients", "zero_hpz_partition_size": "zero_hpz_partition_size",
-    "zero_quantized_weights": "zero_quantized_weights",
-    "zero_quantized_nontrainable_weights": "zero_quantized_nontrainable_weights",
-    "zero_quantized_gradients": "zero_quantized_gradients",
-    "zero_offload_optimizer": "offload_optimizer", "zero_offload_param": "offload_param",
-}
+ZERO_SETTINGS: dict[str, str] = dict(line.split() for line in """
+    zero_reduce_scatter reduce_scatter
+    zero_overlap_comm overlap_comm
+    zero_sub_group_size sub_group_size
+    zero_reduce_bucket_size reduce_bucket_size
+    zero_allgather_bucket_size allgather_bucket_size
+    zero_contiguous_gradients contiguous_gradients
+    zero_max_live_parameters stage3_max_live_parameters
+    zero_max_reuse_distance stage3_max_reuse_distance
+    zero_prefetch_bucket_size stage3_prefetch_bucket_size
+    zero_param_persistence_threshold stage3_param_persistence_threshold
+    zero_gather_16bit_weights_on_model_save stage3_gather_16bit_weights_on_model_save
+    zero_round_robin_gradients round_robin_gradients
+    zero_hpz_partition_size zero_hpz_partition_size
+    zero_quantized_weights zero_quantized_weights
+    zero_quantized_nontrainable_weights zero_quantized_nontrainable_weights
+    zero_quantized_gradients zero_quantized_gradients
+    zero_offload_optimizer offload_optimizer
+    zero_offload_param offload_param
+""".strip().splitlines())
 """Accessor -> the `zero_optimization` key it reads."""
 
 
