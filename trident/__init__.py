@@ -8,7 +8,7 @@ consolidation functions carry DeepSpeed's names; `checkpointing` is activation c
 
 DeepSpeed scripts run with `import trident as deepspeed` (then `from deepspeed.x import y` follows
 it too), or unmodified under `trident launch --as-deepspeed` / `trident.install_as_deepspeed()`:
-DeepSpeed's package names are here (`trident.deepspeed.surface.PACKAGE` lists them all; those
+DeepSpeed's package names are here (`trident.deepspeed.engine.surface.PACKAGE` lists them all; those
 trident does not implement raise an error saying what to use), and `comm`, `pipe`, `ops.adam`,
 `utils`, `zero`, `checkpointing`, `accelerator`, `runtime` carry DeepSpeed's module names (thin
 layers over trident's own modules; the DeepSpeed dialect itself lives in `trident.deepspeed`).
@@ -31,7 +31,7 @@ from trident.engine.engine import Engine
 from trident.parallel.mesh import ParallelMesh
 from trident.version import __version__
 from trident.deepspeed import hook as _deepspeed_hook
-from trident.deepspeed.package import (  # noqa: F401  (DeepSpeed's package names: trident.deepspeed.surface.PACKAGE)
+from trident.deepspeed.package import (  # noqa: F401  (deepspeed.engine.surface.PACKAGE lists them)
     ADAM_OPTIMIZER, DEEPSPEED_VERSION, LAMB_OPTIMIZER, MUON_OPTIMIZER, TORCH_DISTRIBUTED_DEFAULT_PORT, DeepSpeedConfig,
     DeepSpeedConfigError, DeepSpeedDataLoader, DeepSpeedEngine, DeepSpeedOptimizer, DeepSpeedOptimizerCallable,
     DeepSpeedSchedulerCallable, OnDevice, PipelineEngine, PipelineModule, __git_branch__, __git_hash__,

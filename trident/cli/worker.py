@@ -66,7 +66,7 @@ def record_failure(exc: BaseException) -> int:
         return 1
     rank = int(os.environ.get("RANK", 0))
     summary = error_summary(exc)
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    text = "".join(traceback.format_exception(type(exc), exc, _script_frames(exc.__traceback__)))
     if "TORCHELASTIC_ERROR_FILE" not in os.environ:  # not under torchrun: nobody else will print it
         print(text, file=sys.stderr, end="", flush=True)
         return 1
@@ -75,6 +75,14 @@ def record_failure(exc: BaseException) -> int:
     print(f"trident: rank {rank} failed: {summary} (trident launch prints its traceback)", file=sys.stderr,
           flush=True)
     return 1
+
+
+def _script_frames(tb):
+    """The traceback from the script's first frame on (this runner's and runpy's frames dropped)."""
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
+                              or tb.tb_frame.f_code.co_filename.endswith("runpy.py")):
+        tb = tb.tb_next
+    return tb
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from trident.deepspeed.surface import NotInTrident
+from trident.deepspeed.engine.surface import NotInTrident
 
 __all__ = ["get_accelerator", "set_accelerator", "is_current_accelerator_supported", "CUDA_Accelerator",
            "CPU_Accelerator", "DeepSpeedAccelerator"]

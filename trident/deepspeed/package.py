@@ -1,6 +1,6 @@
 """The `deepspeed` package's own names that `trident/__init__.py` adds to trident's, so that
 `import trident as deepspeed` (and `import deepspeed` under `--as-deepspeed`) finds DeepSpeed's
-whole module surface (`trident.deepspeed.surface.PACKAGE`): the accelerator, the runtime
+whole module surface (`trident.deepspeed.engine.surface.PACKAGE`): the accelerator, the runtime
 modules, DeepSpeed's class names for trident's engines and config, its constants and version
 fields. `missing(name)` is the module-level `__getattr__` answer for the names trident does not
 implement (an error saying what to use instead).
@@ -22,7 +22,7 @@ from trident.deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from trident.deepspeed.runtime.engine import ADAM_OPTIMIZER, LAMB_OPTIMIZER, MUON_OPTIMIZER, DeepSpeedEngine
 from trident.deepspeed.runtime.lr_schedules import add_tuning_arguments
 from trident.deepspeed.runtime.pipe.engine import PipelineEngine
-from trident.deepspeed.surface import unsupported
+from trident.deepspeed.engine.surface import unsupported
 from trident.deepspeed.utils.logging import OnDevice, log_dist, logger
 from trident.version import __version__
 

@@ -23,7 +23,7 @@ import torch
 from trident.deepspeed.comm import Comm
 from trident.deepspeed.engine.attributes import DeepSpeedAttributesAPI
 from trident.deepspeed.engine.settings import DeepSpeedSettingsAPI
-from trident.deepspeed.surface import unsupported
+from trident.deepspeed.engine.surface import unsupported
 
 
 class CheckpointImporter(NamedTuple):
@@ -48,7 +48,7 @@ def register_checkpoint_importer(detects: Callable[[str, str | None], bool],
 class DeepSpeedEngineAPI(DeepSpeedSettingsAPI, DeepSpeedAttributesAPI):
     """DeepSpeed's engine methods, over what `Engine` holds. Every public name of DeepSpeed's
     engine is here, in the config accessors (`DeepSpeedSettingsAPI`), the attributes
-    (`DeepSpeedAttributesAPI`), or `trident.deepspeed.surface`'s table of names trident does not
+    (`DeepSpeedAttributesAPI`), or `trident.deepspeed.engine.surface`'s table of names trident does not
     implement, which `__getattr__` turns into an error saying what to use instead."""
 
     _surface_kind = "engine"

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trident.deepspeed.engine.surface import NotInTrident
 from trident.moe.layer import MoE
 
 
@@ -107,7 +108,18 @@ class DeepSpeedAttributesAPI:
 
     @property
     def is_compiled(self) -> bool:
-        return bool(getattr(self, "compile_report", None))
+        return bool(getattr(self, "compile_report", None)) or getattr(self, "_compiled_by_call", False)
+
+    def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """torch.compile the model inside the engine (DeepSpeed's `engine.compile()`); the config's
+        `compile` section compiles block by block instead, and is what trident recommends."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise NotInTrident("DeepSpeedEngine.compile(schedule= / compiled_autograd_enabled=) is DeepCompile's, "
+                               "which trident does not implement; call engine.compile(backend=...) or set "
+                               "compile.enabled in the config")
+        self.module.compile(backend=backend, **(compile_kwargs or {}))
+        self._compiled_by_call = True
 
     def zero_grad(self) -> None:
         """Drop the gradients the model holds (DeepSpeed's `engine.zero_grad()`)."""
@@ -154,7 +166,7 @@ class DeepSpeedAttributesAPI:
         """A loader of `dataset` as DeepSpeed builds it: this rank's share by torch's DistributedSampler
         (shuffled with seed 0 for training, in order for "eval" / "predict"), micro-batches of
         `batch_size` (default: train_micro_batch_size_per_gpu), `dataloader_drop_last` from the config."""
-        from trident.deepspeed.runtime.dataloader import deepspeed_loader
+        from trident.deepspeed.engine.loader import deepspeed_loader
 
         if not (self.is_map_style_dataset(dataset) or self.is_iterable_style_dataset(dataset)):
             raise ValueError("engine.deepspeed_io(dataset): training data must be a torch Dataset")

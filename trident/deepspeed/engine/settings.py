@@ -6,7 +6,7 @@ Most of DeepSpeedEngine's accessors answer a question about a feature's settings
 feature is one trident does not implement, the config that switches it on is refused at load,
 so the answer is DeepSpeed's "off" value: `SWITCHED_OFF` lists those, as data. Accessors of the
 settings of such a feature (pld_theta, eigenvalue_tol...) raise instead
-(`trident.deepspeed.surface.ENGINE_UNSUPPORTED`).
+(`trident.deepspeed.engine.surface.ENGINE_UNSUPPORTED`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trident.deepspeed.surface import NotInTrident
+from trident.deepspeed.engine.surface import NotInTrident
 
 SWITCHED_OFF: dict[str, Any] = {
     "checkpoint_serialization_enabled": True, "checkpoint_writer_enabled": False,

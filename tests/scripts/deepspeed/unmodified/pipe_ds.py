@@ -44,7 +44,8 @@ def train_pipe(args):
     trainset = torch.utils.data.TensorDataset(torch.randn(96, 12, generator=g), torch.randint(0, 5, (96,), generator=g))
     net = PipelineModule(layers=layer_specs(), loss_fn=nn.CrossEntropyLoss(), num_stages=args.pipeline_parallel_size,
                          partition_method="parameters", activation_checkpoint_interval=0, seed_layers=True,
-                         base_seed=args.seed)
+                         base_seed=args.seed, seed_fn=lambda seed: set_random_seed(int(seed)))
+    # (seed_fn: DeepSpeed 0.19's default layer seeding passes a numpy integer to random.seed on 2 stages)
     engine, _, _, _ = deepspeed.initialize(args=args, model=net,
                                            model_parameters=[p for p in net.parameters() if p.requires_grad],
                                            training_data=trainset)
@@ -52,7 +53,7 @@ def train_pipe(args):
     # then the script's own repeating loader, in order, as the example's data_iter path does
     own = RepeatingLoader(torch.utils.data.DataLoader(trainset, batch_size=engine.train_micro_batch_size_per_gpu()))
     losses += [float(engine.train_batch(data_iter=own)) for _ in range(2)]
-    if engine.is_last_stage() and engine.get_data_parallel_rank() == 0:
+    if deepspeed.comm.get_rank() == deepspeed.comm.get_world_size() - 1:  # the last stage
         print("RESULT", {"losses": losses, "stages": engine.num_stages, "micro_batches": engine.micro_batches,
                          "global_steps": engine.global_steps}, "END", flush=True)
 

@@ -110,7 +110,8 @@ ENGINE_UNSUPPORTED: dict[str, str] = {
     "cpuadam_cores_perc": "a setting of DeepSpeed's compiled CPU Adam; trident's CPU Adam uses torch's threads",
     "is_first_weights_partition_group": _FEATURE.format("MiCS sharding"),
     "amp_params": _FEATURE.format("NVIDIA apex AMP") + "; use bf16 or fp16",
-    "swap_tensor_config": "DeepSpeed's swap settings; trident's NVMe offload reads the `aio` section (engine.aio_config())",
+    "swap_tensor_config": ("DeepSpeed's swap settings; trident's NVMe offload reads the `aio` section "
+                           "(engine.aio_config())"),
     "print_forward_breakdown": "set wall_clock_breakdown: true; the times are logged every steps_per_print steps",
     "allreduce_gradients": _INTERNAL + " (the all-reduce runs inside engine.backward on the boundary)",
     "coalesce_grad_reduction": _INTERNAL + " (gradients are bucketed and reduced on the boundary anyway)",
@@ -122,10 +123,11 @@ ENGINE_UNSUPPORTED: dict[str, str] = {
                               "module_forward_post_hook", "inside_no_sync_ctxt")},
     "scale": "call engine.backward(loss) instead of engine.scale(loss).backward(): trident's gradient "
              "reduction and loss scaling run inside engine.backward",
-    "load_moe_state_dict": "it is a step of DeepSpeed's MoE checkpoint loading; engine.load_checkpoint loads experts too",
+    "load_moe_state_dict": ("it is a step of DeepSpeed's MoE checkpoint loading; engine.load_checkpoint loads "
+                            "experts too"),
     **{n: _FEATURE.format("DeepCompile") + "; set compile.enabled in the config (torch.compile per block)"
        for n in ("get_autosp_backend", "get_autotp_backend", "get_deepcompile_backend", "get_deepspeed_compile_backend",
-                 "get_compile_time", "register_compile_pass", "compile")},
+                 "get_compile_time", "register_compile_pass")},
     "offload_states": "DeepSpeed's manual offload of engine states; use zero_optimization.offload_optimizer / "
                       "offload_param in the config",
     "reload_states": "DeepSpeed's manual offload of engine states; use zero_optimization.offload_optimizer / "
