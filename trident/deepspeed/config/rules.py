@@ -77,6 +77,10 @@ RULES: dict[str, Rule] = {
     "log_level": Rule(_always, "trident logs through Python's logging module"),
     "timers": Rule(_always, "DeepSpeed's throughput timers; trident's are `wall_clock_breakdown`"),
     "disable_python_gc": Rule(_always, PERF),
+    # DeepSpeed builds its monitor settings from the top-level tensorboard / csv_monitor / wandb / comet
+    # sections; a `monitor_config` section in the file (LLaMA-Factory's configs have one) is never read
+    "monitor_config": Rule(_always, "not a key DeepSpeed reads: its monitors are the top-level tensorboard, "
+                                    "csv_monitor, wandb and comet sections"),
     "graph_harvesting": Rule(_values(False), "off", "CUDA graph harvesting"),
     "sparse_gradients": Rule(_values(False), "off", "sparse embedding gradients"),
     "seq_parallel_communication_data_type": Rule(_always, "DeepSpeed-Ulysses is not used"),
