@@ -89,7 +89,8 @@ def main() -> int:
     print("\n| script | steps | worst relative difference |\n|---|---:|---:|")
     for name, steps, worst in summary:
         print(f"| {name} | {steps} | {worst:.1e} |")
-    print(f"\nworst over all scripts: {worst_all:.1e} (target {TARGET:.0e}): {'met' if worst_all <= TARGET else 'MISSED'}")
+    verdict = "met" if worst_all <= TARGET else "MISSED"
+    print(f"\nworst over all scripts: {worst_all:.1e} (target {TARGET:.0e}): {verdict}")
     return 0 if worst_all <= TARGET else 1
 
 

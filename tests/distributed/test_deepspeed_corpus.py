@@ -25,7 +25,8 @@ pytestmark = pytest.mark.launch
 TOLERANCE = 1e-5  # 2 ranks sum gradients in another order than one process: fp32 rounding
 
 CASES = {  # name: (script arguments on 1 rank, on 2 ranks)
-    "cifar-sgd-clip": (["cifar_ds.py", "--deepspeed", "--deepspeed_config", "sgd_clip.json", "--ckpt_dir", "{tmp}"],) * 2,
+    "cifar-sgd-clip": (["cifar_ds.py", "--deepspeed", "--deepspeed_config", "sgd_clip.json",
+                        "--ckpt_dir", "{tmp}"],) * 2,
     "pipe-adamw": (["pipe_ds.py", "-p", "1", "--deepspeed_config", "adamw.json"],
                    ["pipe_ds.py", "-p", "2", "--deepspeed_config", "adamw.json"]),
     "megatron-sgd-clip": (["megatron_ds.py", "--deepspeed_config", "sgd_clip.json"],) * 2,

@@ -97,6 +97,38 @@ def test_client_optimizer_groups_follow_the_tp_plan(kind):
         assert (groups, decays) == (2, [NO_DECAY, DECAY])
 
 
+def train_other_layouts(kind: str, form: str, layout: str):
+    """The groups under a pipeline split of the unmodified model (pp 2) or ZeRO-3 over dp 2."""
+    mesh = cached_mesh(pp=2) if layout == "pp2" else cached_mesh()
+    model = CausalLMLoss(make_lm(kind)) if layout == "zero3" else make_lm(kind)
+    per_rank = BATCH // mesh.dp_size
+    cfg = {"train_micro_batch_size_per_gpu": per_rank // 2 if layout == "pp2" else per_rank, "steps_per_print": 0,
+           "gradient_clipping": CLIP, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": DECAY}},
+           "gradient_accumulation_steps": 2 if layout == "pp2" else 1,
+           "pipeline": {"stages": 2 if layout == "pp2" else 1},
+           "zero_optimization": {"stage": 3 if layout == "zero3" else 0}}
+    engine, *_ = trident.initialize(model=model, config=cfg, model_parameters=model_parameters(model, form), mesh=mesh)
+    losses = []
+    for batch in tokens().split(BATCH):
+        if layout == "pp2":
+            losses.append(float(engine.train_batch(iter([(b, b) for b in batch.split(BATCH // 2)]))))
+        else:
+            engine.backward(engine(batch[mesh.dp_rank * per_rank:(mesh.dp_rank + 1) * per_rank]))
+            engine.step()
+            losses.append(engine.last_loss)
+    return losses, sorted({g["weight_decay"] for g in engine.optimizer.param_groups})
+
+
+@pytest.mark.parametrize("layout", ["pp2", "zero3"])
+def test_groups_follow_a_pipeline_split_and_zero3(layout):
+    ref = serial("llama", "groups")
+    results = run_on_ranks(2, train_other_layouts, "llama", "groups", layout)
+    dp_mean = [sum(s) / len(s) for s in zip(*(r[0] for r in results))]  # zero3: each rank its half's loss
+    losses = results[-1][0] if layout == "pp2" else dp_mean
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref)) < 1e-5, (losses, ref)
+    assert all(r[1] == [NO_DECAY, DECAY] for r in results)
+
+
 def lora_groups(form: str):
     """One process, LoRA from the config: the frozen base drops out, each adapter joins the group
     of the weight it adapts."""

@@ -92,7 +92,8 @@ def initialize(
 
     # model_parameters (and a client optimizer's groups) by name, before any transform replaces a parameter
     requested = RequestedGroups.capture(model, model_parameters)
-    client_groups = RequestedGroups.of_optimizer(model, optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
+    client_groups = (RequestedGroups.of_optimizer(model, optimizer)
+                     if isinstance(optimizer, torch.optim.Optimizer) else None)
     if mesh is None and mpu is not None:
         from trident.deepspeed.engine.mpu import mesh_from_mpu
         env = init_distributed(timeout_s=cfg.distributed.timeout_s)

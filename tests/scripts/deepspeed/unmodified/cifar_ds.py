@@ -33,7 +33,8 @@ deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_
 args = parser.parse_args()
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(1)
-trainset = torch.utils.data.TensorDataset(torch.randn(64, 3, 8, 8, generator=g), torch.randint(0, 10, (64,), generator=g))
+trainset = torch.utils.data.TensorDataset(torch.randn(64, 3, 8, 8, generator=g),
+                                          torch.randint(0, 10, (64,), generator=g))
 net = make_net()
 parameters = filter(lambda p: p.requires_grad, net.parameters())
 model_engine, optimizer, trainloader, _ = deepspeed.initialize(args=args, model=net, model_parameters=parameters,
