@@ -174,3 +174,24 @@ def test_model_parameters_that_cannot_be_mapped_are_errors(what, message):
 
 def test_the_reference_moves():
     assert not math.isnan(serial("gpt2", "list")[0])
+
+
+def left_out(form: str):
+    """A parameter the user leaves out of model_parameters stays out, after the tp plan too; LoRA's
+    adapters, which did not exist when the user listed, join their layer's group."""
+    mesh = cached_mesh(tp=2)
+    model = CausalLMLoss(make_lm("gpt2"))
+    given = [p for n, p in model.named_parameters() if not n.endswith(".bias")]
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0, "tensor_parallel": {"size": 2, "plan": "auto"},
+           "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    engine, *_ = trident.initialize(model=model, config=cfg, model_parameters=given, mesh=mesh)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    masters = engine.master.mapping() if engine.master is not None else {}
+    by_master = {id(m): names[i] for i, m in masters.items()} if masters else names
+    trained = [by_master.get(id(p), "?") for g in engine.optimizer.param_groups for p in g["params"]]
+    return sorted(trained), sorted(n for n in names.values() if n.endswith(".bias"))
+
+
+def test_a_parameter_left_out_stays_out():
+    for trained, biases in run_on_ranks(2, left_out, "list"):
+        assert biases and not any(n.endswith(".bias") for n in trained) and "?" not in trained, trained

@@ -52,6 +52,7 @@ class RequestedGroups:
     groups: list[dict]           # each: hyperparameters, and "params": list[_Entry]
     plain: bool                  # given as parameters, not group dicts: resolve to a flat list
     what: str                    # "model_parameters" or "the optimizer's param_groups", for messages
+    existing: frozenset[str] = frozenset()  # every parameter name of the model given (canonical)
 
     @classmethod
     def capture(cls, model: torch.nn.Module, given: Iterable | None,
@@ -82,7 +83,8 @@ class RequestedGroups:
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             entries = [_entry(p, names, what, i, plain) for p in params]
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": entries})
-        return cls(groups, plain, what)
+        existing = frozenset(canonical(n) for n, _ in model.named_parameters(remove_duplicate=False))
+        return cls(groups, plain, what, existing)
 
     @classmethod
     def of_optimizer(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> RequestedGroups:
@@ -125,9 +127,9 @@ class RequestedGroups:
         for name, p in final.items():
             if id(p) in placed:
                 layer_group.setdefault(_layer(canonical(name)), placed[id(p)])
-        originals = {canonical(e.name) for g in self.groups for e in g["params"]}
         for name, p in final.items():
-            if id(p) in placed or not p.requires_grad or canonical(name) in originals:
+            # a parameter the model had before the transforms and the user left out stays out
+            if id(p) in placed or not p.requires_grad or canonical(name) in self.existing:
                 continue
             layer = _layer(canonical(name))
             while layer and layer not in layer_group and not self._listed_layer(layer):
