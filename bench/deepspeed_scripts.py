@@ -10,8 +10,9 @@ with decay / no-decay param groups), with `import deepspeed` as written. Each ru
   trident    this checkout under `trident launch --as-deepspeed` (a venv without DeepSpeed, so
              `import deepspeed` resolves to trident)
 
-Target: every step within 1e-6 relative. Needs `make .venv-bench/.deepspeed-installed` (README,
-"DeepSpeed on CPU with gloo") plus `transformers` in the bench venv for the Hugging Face script.
+Target: every step within 1e-6 relative. `make bench-deepspeed-scripts` makes the bench venv
+(bench/README.md, "DeepSpeed on CPU with gloo"), adds `transformers` to it for the Hugging Face
+script, and runs this.
 
     python bench/deepspeed_scripts.py [--deepspeed-python .venv-bench/bin/python] [--only cifar]
 """
