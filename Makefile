@@ -10,7 +10,7 @@ STAMP := $(VENV)/.trident-installed
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.deepspeed-installed
 
-.PHONY: demo test bench bench-zero gpu-check install clean
+.PHONY: demo test bench bench-zero bench-deepspeed-scripts gpu-check install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,13 @@ $(BENCH_STAMP): pyproject.toml
 
 bench-zero: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/zero_vs_peers.py
+
+# The same unmodified DeepSpeed scripts under DeepSpeed (bench venv, which also needs transformers for
+# the Hugging Face script) and under trident (project venv, `trident launch --as-deepspeed`).
+bench-deepspeed-scripts: $(STAMP)
+	@test -f $(BENCH_STAMP) || $(MAKE) $(BENCH_STAMP)
+	PIP_CONSTRAINT=$(BENCH_VENV)/constraints.txt $(BENCH_VENV)/bin/pip install --quiet "transformers>=5.24"
+	$(PY) bench/deepspeed_scripts.py
 
 # Needs CUDA (CI has none), so it is not part of `make test`; README.md, "GPU check".
 gpu-check: $(STAMP)

@@ -82,12 +82,12 @@ def test_no_optimizer_section_explains_both_fixes():
 
 
 def test_build_checks_the_params_too():
-    with pytest.raises(ConfigError, match="optimizer.params.lr: expected a positive number, got -0.1"):
+    with pytest.raises(ConfigError, match="optimizer.params.lr: expected a non-negative number, got -0.1"):
         build("SGD", lr=-0.1)
 
 
 def test_check_optimizer_lists_every_problem():
-    issues = check_optimizer("AdamW", {"lr": 0, "betas": [0.9], "epsilon": 1e-8})
+    issues = check_optimizer("AdamW", {"lr": -1, "betas": [0.9], "epsilon": 1e-8})
     assert sorted(i.path for i in issues) == ["optimizer.params.betas", "optimizer.params.epsilon",
                                               "optimizer.params.lr"]
     assert check_optimizer("AdamW", {"lr": 1e-3}) == []

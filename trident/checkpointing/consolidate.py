@@ -34,8 +34,19 @@ def checkpoint_folder(checkpoint_dir: str | Path, tag: str | None = None) -> Pat
                               "folder given to save_checkpoint or one of its tag folders")
     folder = root / tag
     if not (folder / MANIFEST).exists():
-        raise CheckpointError(f"{folder / MANIFEST}: missing; {folder} is not a complete trident checkpoint")
+        raise CheckpointError(f"{folder / MANIFEST}: missing; {folder} is not a complete trident checkpoint"
+                              + (DEEPSPEED_HINT.format(root=root) if _looks_like_deepspeed(folder) else ""))
     return folder
+
+
+DEEPSPEED_HINT = ("; it holds a DeepSpeed checkpoint: `trident checkpoint inspect` and `consolidate` read it as it "
+                  "is, and `trident checkpoint import-deepspeed {root} OUT` converts it (engine.load_checkpoint "
+                  "reads it too)")
+
+
+def _looks_like_deepspeed(folder: Path) -> bool:
+    """DeepSpeed's file names: mp_rank_XX_model_states.pt, or a pipeline's layer_XX-model_states.pt."""
+    return any(folder.glob("*model_states.pt"))
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: str | None = None

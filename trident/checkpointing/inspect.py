@@ -18,6 +18,20 @@ def _size(n: float) -> str:
     return ""
 
 
+def _origin(src: dict) -> str:
+    """Where a resharded or imported checkpoint came from: another trident layout, or another
+    framework's checkpoint (`{"deepspeed": {"kind": ..., "dp": ..., ...}}`, written by import)."""
+    if "pp" in src:
+        return f"resharded from pp {src['pp']} x dp {src['dp']} x tp {src['tp']}, ZeRO stage {src.get('zero_stage', 0)}"
+    framework, layout = next(iter(src.items())) if len(src) == 1 else ("another framework", src)
+    name = {"deepspeed": "DeepSpeed"}.get(framework, framework)
+    if not isinstance(layout, dict):
+        return f"imported from a {name} checkpoint"
+    parts = [f"{k} {layout[k]}" for k in ("pp", "dp", "tp") if k in layout]
+    kind = f" {layout['kind']}" if "kind" in layout else ""
+    return f"imported from a {name}{kind} checkpoint" + (f" ({' x '.join(parts)})" if parts else "")
+
+
 def describe(folder: Path, verify: bool = False) -> str:
     """A report of the layout, every tensor and every file (checksums compared when `verify`)."""
     manifest = read_manifest(folder)
@@ -26,9 +40,7 @@ def describe(folder: Path, verify: bool = False) -> str:
              f"  layout: pp {layout['pp']} x dp {layout['dp']} x tp {layout['tp']} = {layout['world_size']} ranks, "
              f"ZeRO stage {layout.get('zero_stage', 0)}"]
     if manifest.get("resharded_from"):
-        src = manifest["resharded_from"]
-        lines.append(f"  resharded from pp {src['pp']} x dp {src['dp']} x tp {src['tp']}, ZeRO stage "
-                     f"{src.get('zero_stage', 0)}")
+        lines.append(f"  {_origin(manifest['resharded_from'])}")
     tensors = manifest["tensors"]
     width = max((len(n) for n in tensors), default=4)
     lines += ["", f"  {'tensor':<{width}}  {'global shape':<16} {'dtype':<9} {'split':<22} pieces"]

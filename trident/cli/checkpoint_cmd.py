@@ -28,7 +28,9 @@ CKPT_DIR is the folder given to `engine.save_checkpoint` (its `latest` tag is us
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import tempfile
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -117,15 +119,42 @@ def run_import_deepspeed(args: argparse.Namespace) -> int:
     return _run("import-deepspeed", action)
 
 
+@contextlib.contextmanager
+def _trident_view(checkpoint_dir: str, tag: str | None):
+    """(folder, tag) to read: `checkpoint_dir` itself, or, for a DeepSpeed checkpoint, its import
+    into a temporary folder (read in place; `import-deepspeed` keeps a converted copy)."""
+    from trident.deepspeed.checkpoint import import_deepspeed, is_deepspeed_checkpoint
+
+    if not is_deepspeed_checkpoint(checkpoint_dir, tag):
+        yield checkpoint_dir, tag
+        return
+    with tempfile.TemporaryDirectory(prefix="trident-ds-read-") as tmp:
+        folder = import_deepspeed(checkpoint_dir, f"{tmp}/ckpt", tag=tag)
+        print(f"{checkpoint_dir}: a DeepSpeed checkpoint, read through `trident checkpoint import-deepspeed` "
+              "(run it to keep a trident copy)", file=sys.stderr)
+        yield str(folder.parent), folder.name
+
+
 def run_consolidate(args: argparse.Namespace) -> int:
     from trident.checkpointing.consolidate import consolidate
-    return _run("consolidate", lambda: consolidate(args.checkpoint_dir, args.out, tag=args.tag))
+
+    def action():
+        with _trident_view(args.checkpoint_dir, args.tag) as (folder, tag):
+            return consolidate(folder, args.out, tag=tag)
+    return _run("consolidate", action)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     from trident.checkpointing.consolidate import checkpoint_folder
     from trident.checkpointing.inspect import describe
-    return _run("inspect", lambda: describe(checkpoint_folder(args.checkpoint_dir, args.tag), verify=args.verify))
+
+    def action():
+        with _trident_view(args.checkpoint_dir, args.tag) as (folder, tag):
+            path = checkpoint_folder(folder, tag)
+            text = describe(path, verify=args.verify)
+            return text if folder == args.checkpoint_dir else text.replace(
+                f"checkpoint {path}", f"DeepSpeed checkpoint {args.checkpoint_dir} ({tag})", 1)
+    return _run("inspect", action)
 
 
 def run_reshard(args: argparse.Namespace) -> int:

@@ -49,6 +49,12 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("launch", help="run a script on N processes (torchrun's elastic agent)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_launch_arguments(p)
+    p.add_argument("--as-deepspeed", action="store_true", help=(
+        "run an unmodified DeepSpeed script: `import deepspeed` and every `from deepspeed.x import y` resolve to "
+        "trident on every rank (when DeepSpeed itself is not installed), and the script gets --local_rank=N "
+        "as DeepSpeed's launcher passes it"))
+    p.add_argument("--no-local-rank", "--no_local_rank", dest="no_local_rank", action="store_true",
+                   help="with --as-deepspeed: do not pass --local_rank (DeepSpeed launcher's --no_local_rank)")
     p.add_argument("-m", "--module", action="store_true", help="treat script as a python module name")
     p.add_argument("script", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -83,6 +89,15 @@ def _check_target(target: list[str], module: bool) -> None:
     elif not os.path.isfile(name):
         raise SystemExit(f"trident launch: script {name!r} does not exist or is not a file; give the path "
                          f"of your training script (or -m package.module)")
+
+
+def worker_target(args: argparse.Namespace, target: list[str], module: bool) -> list[str]:
+    """`target` run through `trident.cli.worker` (a module), which records every failure once and,
+    with --as-deepspeed, resolves `deepspeed` to trident."""
+    flags = []
+    if getattr(args, "as_deepspeed", False):
+        flags += ["--as-deepspeed"] + ([] if getattr(args, "no_local_rank", False) else ["--local-rank-arg"])
+    return ["trident.cli.worker", *flags, *(["-m"] if module else []), *target]
 
 
 def torchrun_argv(args: argparse.Namespace, target: list[str], module: bool) -> list[str]:
@@ -141,6 +156,24 @@ def first_failure(failures: dict[int, ProcessFailure]) -> tuple[int, str]:
     return rank, entries[rank].get("error") or _message(failures[rank]) or f"exit code {failures[rank].exitcode}"
 
 
+def failure_report(failures: dict[int, ProcessFailure]) -> str:
+    """The closing lines of a failed job: the first failure's traceback when its rank left it to
+    the launcher (printed once, here), then where it happened and what it was."""
+    rank, what = first_failure(failures)
+    failure = failures.get(rank)
+    entry = _entry(failure) if failure is not None else {}
+    host = f" on host {entry['host']}" if entry.get("host") else ""
+    where = (f"{host} (local rank {failure.local_rank}, pid {failure.pid}, exit code {failure.exitcode})"
+             if failure is not None else " (on another node)")
+    trace = ""
+    if entry.get("printed") is False:
+        message = failure.error_file_data.get("message", {}) if isinstance(failure.error_file_data, dict) else {}
+        stack = message.get("extraInfo", {}).get("py_callstack", "") if isinstance(message, dict) else ""
+        trace = f"\ntrident launch: traceback of rank {rank}{host}:\n{stack.rstrip()}" if stack else ""
+    return (f"{trace}\ntrident launch: the job failed; first failure on global rank {rank}{where}.\n"
+            f"trident launch: rank {rank}: {what}")
+
+
 def launch_keep_going(args: argparse.Namespace, target: list[str], module: bool) -> int:
     """`--keep-going`: the ranks as plain child processes with torchrun's environment variables,
     each left to finish whatever happens to the others; returns 1 if any rank failed."""
@@ -148,7 +181,7 @@ def launch_keep_going(args: argparse.Namespace, target: list[str], module: bool)
         raise SystemExit("trident launch: --keep-going runs one node without restarts; drop --nnodes / "
                          "--max-restarts, or drop --keep-going")
     port = args.master_port or _free_port()
-    command = [sys.executable, "-m", *target] if module else [sys.executable, *target]
+    command = [sys.executable, "-m", *worker_target(args, target, module)]
     procs = []
     for rank in range(args.nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
@@ -178,7 +211,7 @@ def launch(args: argparse.Namespace, target: list[str], module: bool) -> int:
     _check_target(target, module)
     if getattr(args, "keep_going", False):
         return launch_keep_going(args, target, module)
-    parsed = torchrun_parser().parse_args(torchrun_argv(args, target, module))
+    parsed = torchrun_parser().parse_args(torchrun_argv(args, worker_target(args, target, module), module=True))
     # torchrun's agent otherwise shares one store across restarts, and the workers of a
     # restarted group can read the previous group's stale gloo addresses and refuse to start;
     # with this set, every attempt's rank 0 starts a fresh store.
@@ -186,12 +219,7 @@ def launch(args: argparse.Namespace, target: list[str], module: bool) -> int:
     try:
         torchrun_run(parsed)
     except ChildFailedError as err:
-        rank, what = first_failure(err.failures)
-        failure = err.failures.get(rank)
-        where = (f" (local rank {failure.local_rank}, pid {failure.pid}, exit code {failure.exitcode})"
-                 if failure is not None else " (on another node)")
-        print(f"\ntrident launch: the job failed; first failure on global rank {rank}{where}.\n"
-              f"trident launch: rank {rank}: {what}", file=sys.stderr)
+        print(failure_report(err.failures), file=sys.stderr)
         return 1
     return 0
 

@@ -66,6 +66,8 @@ class TridentConfig(Section):
         "Log loss, lr and loss scale every N optimizer steps; 0 or null = never."))
     wall_clock_breakdown: bool = Field(False, description="Time forward, backward and step; log with each print.")
     seed: int = Field(1234, description="Seed of model initialisation and data order.")
+    dataloader_drop_last: bool = Field(False, description=(
+        "Drop the last incomplete micro-batch of each epoch in the loader initialize(training_data=...) builds."))
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig, description="Collective logging.")
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard scalars.")
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig, description="CSV scalars.")

@@ -15,8 +15,9 @@ import torch
 
 from trident.checkpointing.state import resolve_tag
 from trident.config import TridentConfig
-from trident.data.sampler import DistributedSampler
+from trident.deepspeed.engine.loader import DEEPSPEED_DATA_SEED, deepspeed_loader, pipeline_loader
 from trident.engine.engine import Engine
+from trident.engine.pipeline_engine import PipelineEngine
 from trident.engine.strategy import RemoteStrategy
 from trident.monitor.log import logger
 from trident.monitor.writers import Monitors
@@ -42,11 +43,16 @@ def monitors_for(cfg: TridentConfig, writer: bool) -> Monitors:
 
 
 def make_loader(dataset: Any, collate_fn: Callable | None, replicas: int, rank: int, micro_batch: int,
-                seed: int) -> torch.utils.data.DataLoader:
+                seed: int, drop_last: bool = False) -> torch.utils.data.DataLoader:
     """Micro-batches of `dataset`, sharded over `replicas` ranks that see different samples."""
-    sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=seed)
-    return torch.utils.data.DataLoader(dataset, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn,
-                                       drop_last=False)
+    return deepspeed_loader(dataset, micro_batch, replicas, rank, shuffle=True, drop_last=drop_last,
+                            collate_fn=collate_fn, seed=seed)
+
+
+def data_seed(cfg: TridentConfig) -> int:
+    """The seed of the training loader's shuffle: the config's `seed` when it sets one, else
+    DeepSpeed's (0, torch's DistributedSampler default), so a DeepSpeed config gets DeepSpeed's batches."""
+    return cfg.seed if "seed" in cfg.model_fields_set else DEEPSPEED_DATA_SEED
 
 
 def attach_data_and_resume(engine: Engine, cfg: TridentConfig, training_data: Any, collate_fn: Callable | None,
@@ -54,8 +60,12 @@ def attach_data_and_resume(engine: Engine, cfg: TridentConfig, training_data: An
     """The last steps of every run: the engine's data loader (None without `training_data`) and,
     under `checkpoint.auto_resume`, the newest checkpoint. Returns the loader."""
     loader = None
-    if training_data is not None:
-        loader = make_loader(training_data, collate_fn, replicas, rank, engine.batch.micro_batch_size, cfg.seed)
+    if training_data is not None and isinstance(engine, PipelineEngine):  # in order, repeated (DeepSpeed's)
+        loader = pipeline_loader(training_data, engine.batch.micro_batch_size, replicas, rank,
+                                 cfg.dataloader_drop_last, collate_fn)
+    elif training_data is not None:
+        loader = make_loader(training_data, collate_fn, replicas, rank, engine.batch.micro_batch_size,
+                             data_seed(cfg), cfg.dataloader_drop_last)
     engine.training_dataloader = loader
     if cfg.checkpoint.auto_resume and cfg.checkpoint.path:
         resume(engine, loader, cfg.checkpoint.path)

@@ -37,6 +37,7 @@ from trident.deepspeed.config import fill_from_run, ignored_line
 from trident.engine.assembly import attach_data_and_resume, cast_to_compute_dtype, loss_scaler_for, monitors_for
 from trident.engine.compile import apply_compile, compile_scope
 from trident.engine.engine import Engine
+from trident.engine.param_groups import RequestedGroups, map_client_optimizer, record_deepspeed_arguments
 from trident.engine.pipeline_engine import build_pipeline_engine
 from trident.engine.host_allocator import tune_glibc_malloc
 from trident.engine.parameter_server_run import initialize_parameter_server
@@ -90,6 +91,10 @@ def initialize(
                                            training_data=training_data, lr_scheduler=lr_scheduler,
                                            collate_fn=collate_fn, mesh=mesh)
 
+    # model_parameters (and a client optimizer's groups) by name, before any transform replaces a parameter
+    requested = RequestedGroups.capture(model, model_parameters)
+    client_groups = (RequestedGroups.of_optimizer(model, optimizer)
+                     if isinstance(optimizer, torch.optim.Optimizer) else None)
     if mesh is None and mpu is not None:
         from trident.deepspeed.engine.mpu import mesh_from_mpu
         env = init_distributed(timeout_s=cfg.distributed.timeout_s)
@@ -141,6 +146,9 @@ def initialize(
     for key in cfg.zero_optimization.inapplicable_keys():
         logger.warning("zero_optimization.%s has no effect at ZeRO stage %d (it is kept for DeepSpeed "
                        "compatibility); remove it or change the stage", key, cfg.zero_optimization.stage)
+    split = isinstance(model, PipelineModule) and model.num_stages > 1
+    model_parameters = requested.resolve(model, split) if requested is not None else None
+    map_client_optimizer(optimizer, client_groups, model, split)
     master, strategy, optimizer = _make_strategy(cfg, model, params, optimizer, model_parameters, mesh,
                                                 comms_logger, dtype)
     whole_model_ok = (mesh.tp_size == 1 and mesh.cp_size == 1 and mesh.pp_size == 1 and cfg.zero_optimization.stage < 3
@@ -157,6 +165,7 @@ def initialize(
         engine = Engine(model, cfg, mesh, batch, master, strategy, optimizer, scheduler, loss_scaler,
                         comms_logger, monitors)
     engine.compile_report = compile_report  # graph breaks per compiled block, filled on the first step
+    record_deepspeed_arguments(engine, client_groups is not None, lr_scheduler, mpu, training_data, collate_fn)
     engine.parameter_counts = counts  # this rank's (tp / pp local) elements, before any ZeRO partitioning
     _log_startup(engine, device)
     if (line := ignored_line(list(cfg._notes))) is not None:

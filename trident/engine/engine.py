@@ -20,6 +20,7 @@ from trident.comm import collectives
 from trident.comm.logger import CommsLogger
 from trident.config.batch import BatchGetters, BatchSizes
 from trident.deepspeed.engine.api import DeepSpeedEngineAPI
+from trident.deepspeed.engine.settings import LossScale
 from trident.engine.strategy import GradientStrategy, RemoteStrategy
 from trident.engine.timers import Timers
 from trident.moe.parallel import moe_events, moe_summary
@@ -124,8 +125,11 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
         return self.ranks.dp_world_size
 
     @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+    def loss_scale(self) -> LossScale:
+        """The current loss scale (1.0 without fp16); calling it, `engine.loss_scale()`, gives
+        DeepSpeed's meaning: the configured fp16.loss_scale (0 = dynamic)."""
+        current = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        return LossScale(current, self.config.fp16.loss_scale)
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from trident.comm import collectives, p2p
+from trident.deepspeed.engine.pipe_api import DeepSpeedPipelineAPI
 from trident.engine.engine import Engine
 from trident.engine.token_loss import MICRO_BATCH, TOKENS, configured_mode
 from trident.moe.parallel import moe_layers
@@ -51,7 +52,7 @@ from trident.pipeline.simulate import simulate
 from trident.pipeline.ties import TiedWeights, tie_weights
 
 
-class PipelineEngine(Engine):
+class PipelineEngine(DeepSpeedPipelineAPI, Engine):
     """What `trident.initialize` returns for a `PipelineModule`: call `train_batch(data_iter)`.
 
     `data_iter` yields one (inputs, labels) pair per micro-batch; only the first stage (inputs)
@@ -117,7 +118,7 @@ class PipelineEngine(Engine):
         Without `data_iter`, the micro-batches come from `initialize(training_data=...)`'s loader,
         repeated (DeepSpeed's behaviour).
         """
-        data_iter = data_iter if data_iter is not None else self._default_data_iter()
+        data_iter = self._batches(data_iter)
         self.module.train()
         split = next(i for i, instr in enumerate(self.train_program) if isinstance(instr, STEP))
         self._post_tied_receives()
@@ -147,7 +148,8 @@ class PipelineEngine(Engine):
             return None
         if getattr(self, "_repeating", None) is None:
             from trident.data.repeating_loader import RepeatingLoader
-            self._repeating = RepeatingLoader(self.training_dataloader)
+            loader = self.training_dataloader  # initialize's is already repeating; set_dataloader's may not be
+            self._repeating = loader if isinstance(loader, RepeatingLoader) else RepeatingLoader(loader)
         return self._repeating
 
     @torch.no_grad()

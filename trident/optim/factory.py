@@ -52,7 +52,7 @@ Betas = Annotated[Any, AfterValidator(_check_betas)]
 class AdamParams(Section):
     """`params` of Adam and AdamW (DeepSpeed's FusedAdam names)."""
 
-    lr: float = Field(1e-3, gt=0, description="Learning rate.")
+    lr: float = Field(1e-3, ge=0, description="Learning rate (0 is allowed: a scheduler may set it).")
     betas: Betas = Field((0.9, 0.999), description="Decay rates of the first and second moment averages.")
     eps: float = Field(1e-8, ge=0, description="Added to the denominator for numerical stability.")
     weight_decay: float | None = Field(None, ge=0, description=(
@@ -75,7 +75,7 @@ class AdamParams(Section):
 class SGDParams(Section):
     """`params` of SGD (torch.optim.SGD's names, which DeepSpeed passes through)."""
 
-    lr: float = Field(1e-3, gt=0, description="Learning rate.")
+    lr: float = Field(1e-3, ge=0, description="Learning rate (0 is allowed: a scheduler may set it).")
     momentum: float = Field(0.0, ge=0, description="Momentum factor; 0 = plain SGD.")
     dampening: float = Field(0.0, ge=0, description="Dampening of the momentum's gradient term.")
     weight_decay: float = Field(0.0, ge=0, description="L2 penalty added to the gradient.")
@@ -93,7 +93,7 @@ class SGDParams(Section):
 class AdagradParams(Section):
     """`params` of Adagrad (torch.optim.Adagrad's names)."""
 
-    lr: float = Field(1e-2, gt=0, description="Learning rate.")
+    lr: float = Field(1e-2, ge=0, description="Learning rate (0 is allowed: a scheduler may set it).")
     lr_decay: float = Field(0.0, ge=0, description="lr / (1 + (step - 1) * lr_decay).")
     weight_decay: float = Field(0.0, ge=0, description="L2 penalty added to the gradient.")
     initial_accumulator_value: float = Field(0.0, ge=0, description="Start value of the squared-gradient sums.")
@@ -103,7 +103,7 @@ class AdagradParams(Section):
 class LionParams(Section):
     """`params` of Lion (DeepSpeed's FusedLion names and defaults)."""
 
-    lr: float = Field(1e-3, gt=0, description="Learning rate (Lion's sign update wants a smaller lr than Adam).")
+    lr: float = Field(1e-3, ge=0, description="Learning rate (Lion's sign update wants a smaller lr than Adam).")
     betas: Betas = Field((0.9, 0.999), description="beta1 interpolates the update, beta2 decays the momentum.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay: p -= lr * weight_decay * p.")
 
@@ -155,7 +155,7 @@ NoAmsgrad = Annotated[bool, AfterValidator(_no_amsgrad)]
 class _LambLike(Section):
     """The `params` DeepSpeed's FusedLamb and its 1-bit optimizers share."""
 
-    lr: float = Field(1e-3, gt=0, description="Learning rate.")
+    lr: float = Field(1e-3, ge=0, description="Learning rate (0 is allowed: a scheduler may set it).")
     bias_correction: bool = Field(True, description=(
         "Lamb: fold Adam's bias correction into the step size. The 1-bit optimizers accept it and, as in "
         "DeepSpeed, never correct the bias."))

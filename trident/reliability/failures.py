@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 import traceback
@@ -44,7 +45,7 @@ def write_error_file(kind: str, message: str, rank: int, details: dict[str, Any]
     now = time.time()
     data = {"message": {"message": message,
                         "extraInfo": {"py_callstack": callstack, "timestamp": str(int(now))}},
-            "trident": {"kind": kind, "rank": rank, "time": now, **(details or {})}}
+            "trident": {"kind": kind, "rank": rank, "time": now, "host": socket.gethostname(), **(details or {})}}
     try:
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:

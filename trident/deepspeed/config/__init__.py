@@ -14,17 +14,20 @@ from __future__ import annotations
 from trident.config.dialect import Dialect, register_dialect
 from trident.config.errors import ConfigIssue
 from trident.config.notes import Note, unknown_line
-from trident.deepspeed.config import hf_auto, keys, rules
+from trident.deepspeed.config import hf_auto, keys, rules, spellings
 from trident.deepspeed.config.arguments import add_config_arguments
 from trident.deepspeed.config.hf_auto import auto_paths, fill_auto, fill_from_run
 from trident.deepspeed.config.rules import ignored_line, startup_lines
 
 
 def translate(data: dict) -> tuple[dict, list[Note], list[ConfigIssue]]:
-    """A raw DeepSpeed-dialect config -> (trident's sections, notes, issues): DeepSpeed's rules,
+    """A raw DeepSpeed-dialect config -> (trident's sections, notes, issues): DeepSpeed's
+    spellings (`spellings`: "bfp16", whole floats as integers, AutoTP's size), its rules,
     then every `"auto"` still unfilled reported (batch sizes aside: the schema reads those)."""
+    data, spelled, early = spellings.translate(data, rules.top_level_keys())
     data, notes, issues = rules.translate(data)
-    return data, notes, issues + hf_auto.leftover_auto_issues(data, notes)
+    notes = spelled + notes
+    return data, notes, early + issues + hf_auto.leftover_auto_issues(data, notes)
 
 
 DEEPSPEED = Dialect(translate=translate, aliases=keys.DEPRECATED_ALIASES, synonyms=keys.SYNONYMS,

@@ -77,12 +77,14 @@ RULES: dict[str, Rule] = {
     "log_level": Rule(_always, "trident logs through Python's logging module"),
     "timers": Rule(_always, "DeepSpeed's throughput timers; trident's are `wall_clock_breakdown`"),
     "disable_python_gc": Rule(_always, PERF),
+    # DeepSpeed builds its monitor settings from the top-level tensorboard / csv_monitor / wandb / comet
+    # sections; a `monitor_config` section in the file (LLaMA-Factory's configs have one) is never read
+    "monitor_config": Rule(_always, "not a key DeepSpeed reads: its monitors are the top-level tensorboard, "
+                                    "csv_monitor, wandb and comet sections"),
     "graph_harvesting": Rule(_values(False), "off", "CUDA graph harvesting"),
     "sparse_gradients": Rule(_values(False), "off", "sparse embedding gradients"),
     "seq_parallel_communication_data_type": Rule(_always, "DeepSpeed-Ulysses is not used"),
     "gradient_allreduce_op": Rule(_values("mean", None), "trident averages gradients", "summed gradients"),
-    "dataloader_drop_last": Rule(_values(False), "trident's loader keeps the last batch, as DeepSpeed's default",
-                                 "dropping the last batch in initialize's loader"),
     "data_types": Rule(lambda v: isinstance(v, dict) and v.get("grad_accum_dtype") in (None, "fp32", "float32")
                        and set(v) <= {"grad_accum_dtype"}, "gradients accumulate in fp32",
                        "gradient accumulation in another dtype (data_types)"),
@@ -166,11 +168,15 @@ RULES: dict[str, Rule] = {
     "pipeline.grad_partitioned": Rule(_always, "gradients cross stages whole; same result"),
     "pipeline.use_reentrant": Rule(_always, "trident's recompute does not use reentrant autograd"),
     # -- DeepSpeed's AutoTP section -------------------------------------------------------------
-    "tensor_parallel.autotp_size": Rule(_at_most_one, "1 = no tensor parallelism",
-                                        "DeepSpeed AutoTP (use tensor_parallel.size and tensor_parallel.plan)"),
+    # (`tensor_parallel.autotp_size` is read as tensor_parallel.size with plan "auto": `spellings`)
     "tensor_parallel.tp_overlap_comm": Rule(_always, PERF),
     "tensor_parallel.partition_config": Rule(lambda v: not v, "none given", "AutoTP partition configs"),
 }
+
+
+def top_level_keys() -> frozenset[str]:
+    """The top-level keys these rules handle (what `spellings` must not call unknown)."""
+    return frozenset(path for path in RULES if "." not in path) | {"bfloat16"}
 
 
 def translate(data: dict) -> tuple[dict, list[Note], list[ConfigIssue]]:

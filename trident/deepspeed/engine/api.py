@@ -21,6 +21,9 @@ from typing import Callable, NamedTuple
 import torch
 
 from trident.deepspeed.comm import Comm
+from trident.deepspeed.engine.attributes import DeepSpeedAttributesAPI
+from trident.deepspeed.engine.settings import DeepSpeedSettingsAPI
+from trident.deepspeed.engine.surface import unsupported
 
 
 class CheckpointImporter(NamedTuple):
@@ -42,8 +45,22 @@ def register_checkpoint_importer(detects: Callable[[str, str | None], bool],
         _importers.append(importer)
 
 
-class DeepSpeedEngineAPI:
-    """DeepSpeed's engine methods, over what `Engine` holds."""
+class DeepSpeedEngineAPI(DeepSpeedSettingsAPI, DeepSpeedAttributesAPI):
+    """DeepSpeed's engine methods, over what `Engine` holds. Every public name of DeepSpeed's
+    engine is here, in the config accessors (`DeepSpeedSettingsAPI`), the attributes
+    (`DeepSpeedAttributesAPI`), or `trident.deepspeed.engine.surface`'s table of names trident does not
+    implement, which `__getattr__` turns into an error saying what to use instead."""
+
+    _surface_kind = "engine"
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # torch.nn.Module's: parameters, buffers, submodules
+        except AttributeError:
+            error = unsupported(type(self)._surface_kind, name)
+            if error is None:
+                raise
+            raise error from None
 
     @property
     def device(self) -> torch.device:
