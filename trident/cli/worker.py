@@ -40,8 +40,8 @@ def _split(argv: list[str]) -> tuple[bool, bool, bool, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     as_deepspeed, local_rank_arg, module, target = _split(list(sys.argv[1:] if argv is None else argv))
     if as_deepspeed:
-        import trident
-        trident.install_as_deepspeed()
+        from trident.deepspeed.hook import install_as_deepspeed
+        install_as_deepspeed()
     if local_rank_arg and not any(a == "--local_rank" or a.startswith("--local_rank=") for a in target[1:]):
         target.append(f"--local_rank={os.environ.get('LOCAL_RANK', 0)}")
     sys.argv = list(target)
