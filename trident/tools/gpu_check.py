@@ -24,7 +24,7 @@ from typing import Callable, Sequence, TextIO
 import torch
 
 from trident.tools.gpu_common import FAIL, PASS, SKIP, Outcome
-from trident.tools.gpu_device import memory, offload, overlap, planner_step_time
+from trident.tools.gpu_device import accelerator, memory, offload, overlap, planner_step_time
 from trident.tools.gpu_equivalence import bf16_training, equivalence, pipeline_equivalence, process_group
 from trident.tools.rank_launch import RankError, run_ranks
 
@@ -55,6 +55,7 @@ CHECKS: tuple[Check, ...] = (
     Check("comm overlaps backward", 2, overlap),
     Check("memory_breakdown vs allocator", 1, memory),
     Check("planner step time", 1, planner_step_time),
+    Check("deepspeed accelerator", 1, accelerator),
 )
 
 

@@ -223,3 +223,30 @@ def predicted_step_seconds(shape: GPTConfig, world: int, micro: int, gpu: str) -
     layout = Layout(dp=world, micro_batch=micro)
     workload = Workload(seq_len=shape.seq_len, global_batch=micro * world, precision="bf16", optimizer="adam")
     return estimate(model_from_gpt_config(shape), layout, make_cluster(gpu, world), workload).time.step
+
+
+# -- DeepSpeed's get_accelerator() on a GPU ------------------------------------------------------
+
+def accelerator(device: torch.device) -> Outcome:
+    """`deepspeed.accelerator.get_accelerator()` answers for CUDA as DeepSpeed's does: device
+    names, counts, the NCCL backend, fp16 support, synchronize and memory statistics."""
+    skip = needs_cuda(device, "a CUDA accelerator")
+    if skip:
+        return skip
+    from trident.deepspeed.accelerator import CUDA_Accelerator
+
+    accel = CUDA_Accelerator()
+    x = torch.ones(1024, device=device)
+    accel.synchronize()
+    checks = {
+        "device_name": accel.device_name() == "cuda" and accel.device_name(0) == "cuda:0",
+        "current_device_name": accel.current_device_name() == f"cuda:{torch.cuda.current_device()}",
+        "device_count": accel.device_count() >= 1,
+        "communication_backend_name": accel.communication_backend_name() == "nccl",
+        "is_fp16_supported": accel.is_fp16_supported(),
+        "memory_allocated": accel.memory_allocated() >= x.numel() * 4,
+        "total > available memory": accel.total_memory() > accel.available_memory() > 0,
+    }
+    wrong = [name for name, ok in checks.items() if not ok]
+    return Outcome.judge(not wrong, f"{len(checks) - len(wrong)} of {len(checks)} answers as DeepSpeed's"
+                         + (f"; wrong: {', '.join(wrong)}" if wrong else ""))
