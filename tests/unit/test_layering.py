@@ -125,6 +125,19 @@ def test_no_import_circles():
     assert circles == []
 
 
+def test_no_module_imports_through_its_own_package_s_init():
+    """`from trident.zero import zeropp` inside trident.zero runs the package's `__init__` first,
+    which imports the very modules being loaded: an import circle that only the import order
+    hides. Inside a package, import the submodule itself."""
+    found = []
+    for mod, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module and mod.startswith(node.module + ".") \
+                    and modules().get(node.module, Path()).name == "__init__.py":
+                found.append(f"{mod}: from {node.module} import ...")
+    assert found == []
+
+
 def test_no_private_names_of_other_packages():
     bad = []
     for mod, targets in imports().items():

@@ -6,7 +6,15 @@ import argparse
 import os
 import sys
 
-from trident.cli import checkpoint_cmd, config_check, data_cmd, doctor, launch, pipeline_cmd, plan, train, verify
+import trident.cli.checkpoint_cmd as checkpoint_cmd
+import trident.cli.config_check as config_check
+import trident.cli.data_cmd as data_cmd
+import trident.cli.doctor as doctor
+import trident.cli.launch as launch
+import trident.cli.pipeline_cmd as pipeline_cmd
+import trident.cli.plan as plan
+import trident.cli.train as train
+import trident.cli.verify as verify
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,8 @@ from typing import Callable, Union
 import torch
 
 from trident.config import ConfigError as DeepSpeedConfigError
-from trident.deepspeed import accelerator, runtime
+import trident.deepspeed.accelerator as accelerator
+import trident.deepspeed.runtime as runtime
 from trident.deepspeed.accelerator import get_accelerator
 from trident.deepspeed.hook import install_as_deepspeed
 from trident.deepspeed.pipe import PipelineModule

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trident.comm.logger import CommsLogger
-from trident.moe import routing
+import trident.moe.routing as routing
 from trident.moe.dispatch import all_to_all_rows, gather_counts
 from trident.parallel.mesh import DENSE_GRADIENT_AXES
 from trident.parallel.rng import unit_seed

@@ -29,7 +29,7 @@ import torch
 
 from trident.monitor.log import logger
 from trident.optim.clipping import clip_coefficient
-from trident.parameter_server import checkpoint as ckpt
+import trident.parameter_server.checkpoint as ckpt
 from trident.parameter_server.layout import PSLayout
 from trident.parameter_server.protocol import (SYNC_ADVICE, Header, Kind, ParameterServerError, Reason,
                                                UpdateRecord, WorkerLostError, header_buffer, lost_message)

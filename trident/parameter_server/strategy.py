@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from trident.config import TridentConfig
 from trident.optim.clipping import clip_coefficient
-from trident.parameter_server import checkpoint as ckpt
+import trident.parameter_server.checkpoint as ckpt
 from trident.parameter_server.client import ServerClient
 from trident.parameter_server.layout import PSLayout
 from trident.parameter_server.protocol import Header, Kind

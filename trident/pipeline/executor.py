@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from trident.comm import p2p
 from trident.comm.collectives import Handle
-from trident.pipeline import aux_loss
+import trident.pipeline.aux_loss as aux_loss
 from trident.pipeline.instructions import (
     COMM,
     RECVS,

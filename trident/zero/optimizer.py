@@ -49,7 +49,7 @@ from trident.zero.offload import make_param_store, make_placement
 from trident.zero.stage3 import Stage3Coordinator
 from trident.zero.units import build_partition, module_units
 from trident.zero.state import PartitionCheckpoint
-from trident.zero import zeropp
+import trident.zero.zeropp as zeropp
 
 
 @dataclass

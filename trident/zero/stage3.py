@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from trident.comm import collectives
-from trident.zero import zeropp
+import trident.zero.zeropp as zeropp
 from trident.zero.stage3_hooks import gather_in_backward, linear_forward
 
 _Key = tuple[int, int]  # (partition group position, unit index)

@@ -128,11 +128,11 @@ class PipeBlock(Block):
         self.attn.cp = cp
 
 
-class GPTLoss:
-    """GPT's mean cross-entropy; under context parallelism, over every cp rank's tokens."""
+class TokenMeanLoss:
+    """What GPT's pipeline losses share: a mean over the targets other than -100, taken over
+    every cp rank's tokens under context parallelism."""
 
-    def __init__(self) -> None:
-        self.cp = None
+    cp = None
 
     def parallelize_context(self, cp) -> None:
         self.cp = cp
@@ -140,6 +140,10 @@ class GPTLoss:
     def loss_tokens(self, targets: torch.Tensor) -> torch.Tensor:
         """The tokens the loss is a mean over (token-weighted losses, trident.engine.token_loss)."""
         return counted_tokens(targets)
+
+
+class GPTLoss(TokenMeanLoss):
+    """GPT's mean cross-entropy; under context parallelism, over every cp rank's tokens."""
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.cp is None:
@@ -258,19 +262,11 @@ class TPLMHead(ColumnParallelLinear):
                          pad_vocab=True, _full=LMHead(cfg))
 
 
-class VocabParallelLoss:
+class VocabParallelLoss(TokenMeanLoss):
     """GPT's mean cross-entropy over logits split by vocabulary across the tp group."""
 
     def __init__(self, mesh, vocab_size: int) -> None:
         self.group, self.vocab_size = mesh.tp_group, vocab_size
-        self.cp = None
-
-    def parallelize_context(self, cp) -> None:
-        self.cp = cp
-
-    def loss_tokens(self, targets: torch.Tensor) -> torch.Tensor:
-        """The tokens the loss is a mean over (token-weighted losses, trident.engine.token_loss)."""
-        return counted_tokens(targets)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.cp is None:

@@ -19,7 +19,9 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from trident.models.transformers import context_parallel, export, tensor_parallel
+import trident.models.transformers.context_parallel as context_parallel
+import trident.models.transformers.export as export
+import trident.models.transformers.tensor_parallel as tensor_parallel
 from trident.models.transformers.detect import find_causal_lm, find_pretrained, find_transformers_model, name_of
 from trident.models.transformers.layout import DecoderLayout, decoder_layout
 from trident.models.transformers.pipeline import TransformersStage, causal_lm_tokens, sequence_between, split_causal_lm
