@@ -102,3 +102,5 @@ def test_a_missing_count_is_an_error_that_says_what_to_do():
     assert "comes with no token count" in message and "num_tokens=n" in message and "micro_batch" in message
     message = run_on_ranks(1, refused, None, True)[0]  # counted, then not, in one window
     assert "mixes micro-batches with and without a token count" in message
+    message = run_on_ranks(1, refused, "micro_batch", True)[0]
+    assert "num_tokens" in message and "\"micro_batch\"" in message

@@ -76,8 +76,8 @@ class DataConfig(Section):
         "divided by the step's global count (summed over accumulation, data-parallel and context-parallel "
         "ranks), so any split of the same global batch gives the same update, and the logged loss is the "
         "global token mean. \"micro_batch\": the mean of the micro-batches' own means (DeepSpeed's). null: "
-        "\"tokens\" when every micro-batch's counted tokens are known (trident's GPT and transformers causal "
-        "LMs called with their labels, or engine.backward(loss, num_tokens=...)), else \"micro_batch\"."))
+        "\"tokens\" with packing or bucketing (not under fp16), else \"micro_batch\" (engine.backward(loss, "
+        "num_tokens=n) still weighs a window by the caller's counts)."))
     num_workers: int = Field(0, ge=0, description=(
         "Loader worker processes per rank (prefetching); 0 = read in the training process, which on CPU is "
         "cheaper: a memory-mapped sample costs microseconds, a worker's hand-over milliseconds."))

@@ -470,12 +470,13 @@ def _token_weighting(module: torch.nn.Module, config, mesh: ParallelMesh | None,
     over the dense gradient group on this rank (not for parameter-server workers)."""
     mode = configured_mode(config)
     if isinstance(strategy, RemoteStrategy) or mesh is None:
-        if mode == TOKENS:
+        if config.data.loss_normalization == TOKENS:
             raise ValueError("data.loss_normalization \"tokens\" is not supported with parameter servers (the "
                              "servers average the workers' windows); set it to \"micro_batch\" or null")
-        return TokenWeighting(MICRO_BATCH, None, None, 1, 1)
+        return TokenWeighting(MICRO_BATCH, None, None, 1, 1, explicit=True)
     return TokenWeighting(mode, adapter_for(module), mesh.group(*DENSE_GRADIENT_AXES),
-                          mesh.topology.size(DENSE_GRADIENT_AXES), mesh.cp_size)
+                          mesh.topology.size(DENSE_GRADIENT_AXES), mesh.cp_size,
+                          explicit=config.data.loss_normalization is not None)
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:

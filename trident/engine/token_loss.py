@@ -30,18 +30,26 @@ from trident.comm import collectives
 TOKENS, MICRO_BATCH = "tokens", "micro_batch"
 
 
-def configured_mode(config) -> str | None:
-    """`data.loss_normalization` as a run takes it: unset under fp16 means per micro-batch (fp16's
-    loss scale is set for mean losses, not sums; "tokens" asks for it explicitly)."""
+def configured_mode(config) -> str:
+    """`data.loss_normalization` as a run takes it. Unset: "tokens" when the data makes rows of
+    different counted lengths (`data.packing`, `data.bucketing`), else "micro_batch"; under fp16
+    "micro_batch" (its loss scale is set for mean losses, not sums) unless "tokens" is asked for.
+    Labels with -100 from one's own data loop ask for "tokens" explicitly: the ranks must agree
+    on it before they see their data."""
     mode = config.data.loss_normalization
-    return MICRO_BATCH if mode is None and config.fp16.enabled else mode
+    if mode is not None:
+        return mode
+    data = config.data
+    return TOKENS if (data.packing or data.bucketing) and not config.fp16.enabled else MICRO_BATCH
 
 
 class TokenWeighting:
     """One engine's token counts over an accumulation window, and the step's scaling factor."""
 
-    def __init__(self, mode: str | None, adapter: Any, group, average_over: int, cp: int) -> None:
-        self.mode, self.adapter = mode, adapter
+    def __init__(self, mode: str, adapter: Any, group, average_over: int, cp: int, explicit: bool = False) -> None:
+        """`mode` as `configured_mode` resolved it; `explicit`: the config set it (an explicit
+        "micro_batch" refuses `num_tokens`; an unset one lets a caller's counts weigh the window)."""
+        self.mode, self.adapter, self.explicit = mode, adapter, explicit
         self.group, self.average_over, self.cp = group, average_over, cp
         self._pending: torch.Tensor | None = None  # the last forward's count
         self._tokens: torch.Tensor | None = None   # the window's count on this rank
@@ -52,7 +60,8 @@ class TokenWeighting:
 
     @property
     def enabled(self) -> bool:
-        return self.mode != MICRO_BATCH
+        """Whether the model's own counts weigh the loss ("tokens")."""
+        return self.mode == TOKENS
 
     def count_forward(self, args: tuple, kwargs: dict) -> None:
         """Remember how many tokens the loss of this forward is a mean over, when its family says."""
@@ -67,17 +76,20 @@ class TokenWeighting:
         """The count this micro-batch's loss is weighted by (a float64 tensor), or None when the
         window is averaged per micro-batch. Accumulates the window's count and loss sum."""
         n, self._pending = (num_tokens if num_tokens is not None else self._pending), None
-        if not self.enabled or (n is None and self.mode is None):
+        if num_tokens is not None and self.explicit and self.mode == MICRO_BATCH:
+            raise ValueError("engine.backward(loss, num_tokens=...) weighs the loss by its token count, but "
+                             "data.loss_normalization is \"micro_batch\"; set it to \"tokens\" or leave it unset")
+        if n is None and self.mode == TOKENS:
+            raise ValueError("data.loss_normalization is \"tokens\" (set, or chosen for packed / bucketed data), but "
+                             "this micro-batch's loss comes with no token count: the model is not one whose labels "
+                             "trident can count (trident's GPT or a transformers causal LM called with labels); pass "
+                             "engine.backward(loss, num_tokens=n) with the number of tokens the loss is a mean over, "
+                             "or set data.loss_normalization to \"micro_batch\"")
+        if n is None:
             if self._tokens is not None:
                 raise ValueError(self._mixed())
             self._unweighted += 1
             return None
-        if n is None:
-            raise ValueError("data.loss_normalization is \"tokens\", but this micro-batch's loss comes with no token "
-                             "count: the model is not one whose labels trident can count (trident's GPT or a "
-                             "transformers causal LM called with labels); pass engine.backward(loss, num_tokens=n) "
-                             "with the number of tokens the loss is a mean over, or set data.loss_normalization "
-                             "to \"micro_batch\"")
         if self._unweighted:
             raise ValueError(self._mixed())
         n = torch.as_tensor(n, dtype=torch.float64, device=loss.device).reshape(())
