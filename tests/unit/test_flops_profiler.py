@@ -145,10 +145,17 @@ def test_merge_adds_tensor_parallel_shards_and_pipeline_stages():
     assert "MFU:" not in render(profile, 1, peak=(1e3, "x")) and "n/a" in render(profile, 1, device="cpu")
 
 
-def test_peak_comes_from_the_planner_presets():
+def test_peak_comes_from_the_planner_presets_or_a_cpu_calibration(tmp_path):
+    from tests.unit.test_planner_calibrated import _calibration
+    from trident.planner.cluster import save_calibration
+
     assert device_peak("cuda", "NVIDIA H100 80GB HBM3", 80 * 2**30)[0] == 989e12
     assert device_peak("cuda", "Some Other GPU", 16 * 2**30) is None
-    assert device_peak("cpu", cluster_file="/nonexistent/cluster.json") is None
+    assert device_peak("cpu", cluster_file=tmp_path / "none.json") is None
+    cal = _calibration()
+    path = save_calibration(cal, tmp_path / "cluster.json")
+    peak, source = device_peak("cpu", cluster_file=path)
+    assert peak == cal.gemm.peak and "calibrated" in source and str(path) in source
 
 
 def test_config_section_takes_deepspeed_keys_and_defaults():
@@ -175,3 +182,26 @@ def test_bad_values_name_their_json_path(section, message):
     with pytest.raises(ConfigError) as err:
         load_config({"flops_profiler": {"enabled": True, **section}})
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_recomputation_is_counted_in_backward_and_apart(reentrant):
+    """Checkpointed blocks re-run their forward in backward: counted there, and as recomputation
+    (non-reentrant checkpointing stops re-running once it has what backward needs)."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, plain = tiny_gpt(), FlopsProfiler(tiny_gpt())
+    x, y = batch(model.config)
+    plain.start_profile()
+    plain.model(x, y).backward()
+    plain.stop_profile()
+    for block in model.blocks:
+        block.forward = (lambda f: lambda h: checkpoint(f, h, use_reentrant=reentrant))(block.forward)
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    model(x, y).backward()
+    prof.stop_profile()
+    blocks = sum(prof.modules[f"blocks.{i}"].flops for i in range(model.config.n_layer))
+    assert prof.forward_flops == plain.forward_flops
+    assert prof.backward_flops == plain.backward_flops + prof.recompute_flops
+    assert (prof.recompute_flops == blocks) if reentrant else (0 < prof.recompute_flops < blocks)
