@@ -54,7 +54,7 @@ class EngineFlopsProfiler(FlopsProfiler):
             self.reset_profile()
             self.add_hooks()
             self.state = COUNTING
-        start = self._now()
+        start = self.clock()
         if self.iter_start is None:
             self.iter_start = start
         try:
@@ -64,33 +64,28 @@ class EngineFlopsProfiler(FlopsProfiler):
             else:
                 yield
         finally:
-            self.phases[name] = self.phases.get(name, 0.0) + self._now() - start
+            self.phases[name] = self.phases.get(name, 0.0) + self.clock() - start
 
     def finish_step(self) -> None:
         """After an optimizer step: the counted step becomes the timed one's reference; after
         the timed step, the report."""
         if self.state == COUNTING:
             self.counted = self.rank_profile()
-            self.reset_timing()
+            self.reset_timings()
+            self.phases, self.iter_start = {}, None
             self.state = TIMING
         elif self.state == TIMING:
-            iter_seconds = self._now() - self.iter_start
+            iter_seconds = self.clock() - self.iter_start
             self.remove_hooks()
             self.state = DONE
             self._report(iter_seconds)
 
-    def reset_timing(self) -> None:
-        for stats in self.modules.values():
-            stats.seconds, stats.calls = 0.0, 0
-        self.tokens = self._rows = 0
-        self._first_module = None
-        self.phases, self.iter_start = {}, None
 
     def _report(self, iter_seconds: float) -> None:
         """Gather every rank's figures; rank 0 writes the report."""
         engine, counted = self.ds_engine, self.counted
-        timed = {m[0]: m for m in self.rank_profile()["modules"]}  # (name, ..., seconds, calls)
-        modules = [(n, k, d, s, r, f, *timed[n][6:]) for n, k, d, s, r, f, *_ in counted["modules"]]
+        timed = self.module_totals()
+        modules = [(n, k, d, s, r, f, timed[n].seconds, timed[n].calls) for n, k, d, s, r, f, *_ in counted["modules"]]
         mine = {**counted, "modules": modules, "forward_seconds": self.get_total_duration(),
                 "phases": self.phases, "iter_seconds": iter_seconds, "timed_tokens": self.counted_tokens,
                 "coords": _coords(engine)}

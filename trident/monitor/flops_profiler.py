@@ -96,7 +96,7 @@ class FlopsProfiler:
         self.ds_engine = ds_engine
         self.recompute_fwd_factor = recompute_fwd_factor
         self.full_shape = full_shape or (lambda t: tuple(t.shape))
-        self.started = False
+        self.started = self._entered = False
         self.forward_flops = self.backward_flops = self.recompute_flops = 0
         self.tokens = 0
         self.modules: dict[str, ModuleStats] = {}
@@ -152,6 +152,13 @@ class FlopsProfiler:
             depth = 0 if not name else name.count(".") + 1
             self.modules[name] = ModuleStats(name, type(module).__name__, depth, split, replicated)
 
+    def reset_timings(self) -> None:
+        """Zero the latencies, calls and tokens; keep the FLOPs (a second step, timed only)."""
+        for stats in self.modules.values():
+            stats.seconds, stats.calls = 0.0, 0
+        self.tokens = self._rows = 0
+        self._first_module = None
+
     def add_hooks(self, ignore_list: list[type] | None = None) -> None:
         """Forward hooks on every module (not those of a type in `ignore_list`)."""
         if self._handles:
@@ -170,7 +177,8 @@ class FlopsProfiler:
         self._handles = []
         self._stack = []
 
-    def _now(self) -> float:
+    def clock(self) -> float:
+        """Seconds, after the device's queued work (CUDA) has finished."""
         if self._sync:
             torch.cuda.synchronize()
         return time.perf_counter()
@@ -181,7 +189,7 @@ class FlopsProfiler:
                 return
             if not self._stack:
                 self._count_tokens(module, args, kwargs)
-            self._stack.append((name, self._now(), self.forward_flops))
+            self._stack.append((name, self.clock(), self.forward_flops))
         return hook
 
     def _post_hook(self, name: str) -> Callable:
@@ -190,7 +198,7 @@ class FlopsProfiler:
                 return  # re-run in backward, or entered before the hooks were added
             _, start, flops = self._stack.pop()
             stats = self.modules[name]
-            stats.seconds += self._now() - start
+            stats.seconds += self.clock() - start
             stats.flops += self.forward_flops - flops
             stats.calls += 1
         return hook
@@ -219,12 +227,13 @@ class FlopsProfiler:
         self.reset_profile()
         self.add_hooks(ignore_list)
         self._counter.__enter__()
-        self.started = True
+        self.started = self._entered = True
 
     def stop_profile(self) -> None:
         """Stop counting and unhook; the figures stay readable."""
-        if self.started and self._handles:
+        if self._entered:
             self._counter.__exit__(None, None, None)
+            self._entered = False
         self.remove_hooks()
 
     def end_profile(self) -> None:
@@ -246,8 +255,7 @@ class FlopsProfiler:
 
     def get_total_duration(self, as_string: bool = False) -> float | str:
         """Forward latency: the model's own calls, or its outermost modules' when it was not called."""
-        root = self.modules[""]
-        seconds = root.seconds or sum(m.seconds for m in self.modules.values() if m.depth == 1)
+        seconds = self.module_totals()[""].seconds
         return flops_report.duration_to_string(seconds) if as_string else seconds
 
     def get_total_params(self, as_string: bool = False) -> int | str:
@@ -256,12 +264,12 @@ class FlopsProfiler:
 
     def rank_profile(self, **extra: Any) -> dict:
         """This rank's figures as plain data (what the ranks gather), with `extra` entries."""
-        return {"modules": self._rolled_up(), "forward": self.forward_flops,
+        return {"modules": [m.as_tuple() for m in self.module_totals().values()], "forward": self.forward_flops,
                 "backward": self.backward_flops, "recompute": self.recompute_flops, "tokens": self.counted_tokens,
                 "root_params": (self.modules[""].split_params, self.modules[""].replicated_params),
                 "forward_seconds": self.get_total_duration(), **extra}
 
-    def _rolled_up(self) -> list[tuple]:
+    def module_totals(self) -> dict[str, ModuleStats]:
         """Every module's figures; a container never called itself (ModuleList) gets the sum of
         its children's, as DeepSpeed's totals do."""
         stats = {name: ModuleStats(**vars(m)) for name, m in self.modules.items()}
@@ -270,10 +278,10 @@ class FlopsProfiler:
             if m.depth:
                 children.setdefault(m.name.rpartition(".")[0], []).append(m)
         for m in sorted(stats.values(), key=lambda m: -m.depth):
-            if m.calls == 0 and m.depth > 0:
+            if m.calls == 0:
                 m.flops = sum(c.flops for c in children.get(m.name, []))
                 m.seconds = sum(c.seconds for c in children.get(m.name, []))
-        return [m.as_tuple() for m in stats.values()]
+        return stats
 
     def print_model_profile(self, profile_step: int = 1, module_depth: int = -1, top_modules: int = 1,
                             detailed: bool = True, output_file: str | None = None) -> None:

@@ -196,7 +196,8 @@ def _summary_lines(profile: dict, factor: float, peak: tuple[float, str] | None,
                          ("pipeline", "fwd+bwd latency (pipeline schedule)"), ("step", "step latency")):
         if phase in phases:
             out.append(LINE.format(f"{label}: ", duration_to_string(phases[phase])))
-    out.append(LINE.format("iter latency: ", duration_to_string(iter_s)))
+    if iter_s:
+        out.append(LINE.format("iter latency: ", duration_to_string(iter_s)))
     if tokens:
         out.append(LINE.format("flops per token, fwd+bwd as counted: ", number_to_string(counted / tokens)))
         out.append(LINE.format("model flops per token (without recomputation): ", number_to_string(model / tokens)))
