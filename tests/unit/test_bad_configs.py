@@ -51,8 +51,11 @@ CASES = [
      "communication_data_type: expected one of 'fp32', 'fp16', 'bf16' or null, got 'float16' (str)"),
     ("optimizer offload without ZeRO", {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
      None, "offload_optimizer.device is 'cpu' but stage is 0; offload_optimizer needs stage >= 1"),
-    ("DeepSpeed-only top-level section", {"flops_profiler": {"enabled": True}}, None,
-     "flops_profiler: {\"enabled\": true} asks for the FLOPs profiler, which trident does not implement"),
+    ("DeepSpeed-only top-level section", {"autotuning": {"enabled": True}}, None,
+     "autotuning: {\"enabled\": true} asks for DeepSpeed's autotuner (see `trident plan`), which trident does not "
+     "implement"),
+    ("FLOPs profiler step below 0", {"flops_profiler": {"enabled": True, "profile_step": -1}}, None,
+     "flops_profiler.profile_step: expected a non-negative integer, got -1 (int)"),
     ("unknown optimizer type", {"optimizer": {"type": "AdamX", "params": {}}}, None,
      "optimizer.type: unknown optimizer type 'AdamX'; did you mean 'Adam'? Allowed optimizer types: Adam, AdamW, "
      "SGD, Adagrad, Lion"),

@@ -32,12 +32,12 @@ def error(config: dict, **kw) -> str:
 def test_keys_that_change_nothing_are_ignored_and_listed_once():
     cfg = load_config({"train_micro_batch_size_per_gpu": 2, "zero_allow_untested_optimizer": True,
                        "bf16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
-                       "fp16": {"auto_cast": True}, "flops_profiler": {"enabled": False, "profile_step": 1},
+                       "fp16": {"auto_cast": True}, "autotuning": {"enabled": False, "start_profile_step": 3},
                        "zero_optimization": {"stage": 2, "allgather_partitions": True},
                        "memory_breakdown": False})
     assert notes(cfg) == {"zero_allow_untested_optimizer": "ignored", "bf16.loss_scale": "ignored",
                           "bf16.initial_scale_power": "ignored", "fp16.auto_cast": "ignored",
-                          "flops_profiler": "ignored", "zero_optimization.allgather_partitions": "ignored",
+                          "autotuning": "ignored", "zero_optimization.allgather_partitions": "ignored",
                           "memory_breakdown": "ignored"}
     lines = startup_lines(list(cfg._notes))
     assert len(lines) == 1 and "bf16 needs no loss scaling" in lines[0] and "7 DeepSpeed key(s)" in lines[0]
@@ -86,8 +86,8 @@ def test_legacy_names_map_to_todays():
 
 
 def test_an_enabled_feature_trident_lacks_is_refused_by_name():
-    assert "flops_profiler: {\"enabled\": true} asks for the FLOPs profiler, which trident does not implement" \
-        in error({"flops_profiler": {"enabled": True}})
+    assert "autotuning: {\"enabled\": true} asks for DeepSpeed's autotuner (see `trident plan`), which trident does " \
+        "not implement" in error({"autotuning": {"enabled": True}})
     assert "asks for ZeRO++ LoCo error feedback" in error(
         {"zero_optimization": {"zeropp_loco_param": {"err_beta": 0.8}}})
     assert "bf16.bf16_master_weights_and_grads: true asks for bf16 master weights" in error(

@@ -61,10 +61,11 @@ def walk_engine(pipeline: bool) -> dict:
         "fp16_enabled", "bfloat16_enabled", "zero_optimization", "zero_optimization_stage", "gradient_clipping",
         "get_mom", "steps_per_print", "get_data_types", "wall_clock_breakdown", "zero_optimization_partition_gradients",
         "dump_state", "get_batch_info", "optimizer_name", "get_lr", "dataloader_drop_last", "postscale_gradients",
-        "train_batch_size", "get_data_parallel_rank", "get_model_parallel_rank", "dynamic_loss_scale")}
+        "train_batch_size", "get_data_parallel_rank", "get_model_parallel_rank", "dynamic_loss_scale",
+        "flops_profiler_enabled", "flops_profiler_profile_step")}
     attrs = {n: getattr(engine, n) for n in ("communication_data_type", "mpu", "mp_world_size", "pipeline_parallelism",
                                               "gradient_average", "client_optimizer", "dist_backend")}
-    refusals = {n: str(e) for n in ("flops_profiler_top_modules", "allreduce_gradients", "register_compile_pass")
+    refusals = {n: str(e) for n in ("autotuning_metric", "allreduce_gradients", "register_compile_pass")
                 for e in [_error(engine, n)]}
     return {"problems": problems, "calls": calls, "attrs": attrs, "loss_scale": (float(engine.loss_scale),
             engine.loss_scale()), "monitor": engine.monitor is engine.monitors, "answers": answers,
@@ -93,7 +94,8 @@ def test_every_engine_name_is_implemented_or_refused_by_name(pipeline):
     assert found["attrs"]["communication_data_type"] == torch.float32 and found["attrs"]["mpu"] is None
     assert found["attrs"]["dist_backend"] == "gloo" and found["attrs"]["client_optimizer"] is None
     assert found["loss_scale"] == (1.0, 0.0) and found["monitor"]
-    assert found["answers"]["flops_profiler_enabled"] is False and found["answers"]["zero_reduce_bucket_size"] > 0
+    assert (calls["flops_profiler_enabled"], calls["flops_profiler_profile_step"]) == (False, 1)
+    assert found["answers"]["autotuning_enabled"] is False and found["answers"]["zero_reduce_bucket_size"] > 0
     for name, message in found["refusals"].items():
         assert name in message and "trident" in message, message
 

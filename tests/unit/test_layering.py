@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "trident.engine": 8, "trident.deepspeed.engine": 8, "trident.hf": 8,
     "trident.integrations": 9, "trident.deepspeed": 9, "trident.testing": 9,
     "trident.pipe": 9, "trident.ops": 9, "trident.utils": 9,  # DeepSpeed's module paths, kept as re-exports
+    "trident.profiling": 9,
     "trident.tools": 10, "trident.trainer": 10,
     "trident.diagnostics": 10, "trident.planner.check": 10,  # old public paths, re-exporting reliability / tools
     "trident.cli": 11,
@@ -289,8 +290,8 @@ def test_deepspeed_dialect_is_registered_by_importing_trident():
     from trident.deepspeed.config import DEEPSPEED
 
     assert dialect.registered_dialect() is DEEPSPEED
-    with pytest.raises(ConfigError, match=r"flops_profiler: \{\"enabled\": true\} asks for the FLOPs profiler"):
-        load_config({"flops_profiler": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"autotuning: \{\"enabled\": true\} asks for DeepSpeed's autotuner"):
+        load_config({"autotuning": {"enabled": True}})
 
 
 def test_a_missing_dialect_is_loud_not_a_silent_skip(monkeypatch):

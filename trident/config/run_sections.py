@@ -240,3 +240,23 @@ class ParameterServerConfig(Section):
         "(0 = synchronous)."))
     placement: Literal["round_robin", "balanced"] = Field("balanced", description=(
         "How parameters are assigned to servers: tensor by tensor in turn, or balanced by size."))
+
+
+# -- FLOPs profiler --------------------------------------------------------------------------------
+
+class FlopsProfilerConfig(Section):
+    """`flops_profiler`: one step's FLOPs, parameters and forward latency per module, with the
+    step's TFLOP/s and MFU (DeepSpeed's section and defaults; trident.monitor.flops_profiler)."""
+
+    enabled: bool = Field(False, description="Profile step `profile_step` and print the report.")
+    recompute_fwd_factor: float = Field(0.0, ge=0, allow_inf_nan=False, description=(
+        "Share of the forward recomputed in backward (activation checkpointing: 1.0 = all of it). "
+        "trident measures recomputation that runs inside modules; this factor is used where none was seen."))
+    profile_step: int = Field(1, ge=0, description=(
+        "The optimizer step profiled, counted as DeepSpeed's global_steps (0 = the first step; "
+        "1 leaves one warm-up step)."))
+    module_depth: int = Field(-1, ge=-1, description="Deepest module level listed; -1 lists every level.")
+    top_modules: int = Field(1, gt=0, description="Module types listed per depth in the aggregated profile.")
+    detailed: bool = Field(True, description="List every module down to module_depth, not only the aggregate.")
+    output_file: str | None = Field(None, description=(
+        "Write the report to this file (rank 0) instead of printing it; null prints to stdout."))

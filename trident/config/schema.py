@@ -26,13 +26,14 @@ from trident.config.run_sections import (BF16Config, CheckpointConfig, CommsLogg
                                          CSVMonitorConfig, DistributedConfig, FP16Config, HostAllocatorConfig,
                                          NumericsConfig, OptimizerConfig, ParameterServerConfig, SchedulerConfig,
                                          TensorBoardConfig)
+from trident.config.run_sections import FlopsProfilerConfig
 from trident.config.section import BatchSize, Section
 from trident.config.trainer_sections import DataConfig, ModelConfig, MoEModelConfig, TrainerConfig
 
 __all__ = [
     "ActivationCheckpointingConfig", "AioConfig", "BF16Config", "CSVMonitorConfig", "CheckpointConfig",
     "CommsLoggerConfig", "CompileConfig", "ContextParallelConfig", "DataConfig", "DistributedConfig",
-    "ExpertParallelConfig", "FP16Config", "HostAllocatorConfig", "LoRAConfig", "ModelConfig", "MoEModelConfig",
+    "ExpertParallelConfig", "FP16Config", "FlopsProfilerConfig", "HostAllocatorConfig", "LoRAConfig", "ModelConfig", "MoEModelConfig",
     "NumericsConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "ParameterServerConfig",
     "PipelineConfig", "SchedulerConfig", "Section", "TensorBoardConfig", "TensorParallelConfig", "TrainerConfig",
     "TridentConfig", "ZeroConfig",
@@ -93,6 +94,8 @@ class TridentConfig(Section):
         "torch.compile of each block after parallelization."))
     parameter_server: ParameterServerConfig = Field(default_factory=ParameterServerConfig, description=(
         "Parameter-server training."))
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig, description=(
+        "FLOPs, parameters and latency per module at one step; TFLOP/s and MFU."))
     model: ModelConfig = Field(default_factory=ModelConfig, description="`trident train` only.")
     data: DataConfig = Field(default_factory=DataConfig, description="`trident train` only.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="`trident train` only.")

@@ -37,6 +37,7 @@ MODULES: dict[str, str] = {
     "deepspeed.moe": "trident.moe",
     "deepspeed.accelerator": "trident.deepspeed.accelerator",
     "deepspeed.runtime": "trident.deepspeed.runtime",
+    "deepspeed.profiling": "trident.profiling",
 }
 """DeepSpeed's module -> the trident module standing in for it; a module below one of these
 (`deepspeed.runtime.pipe.module`) is the same path below its counterpart."""

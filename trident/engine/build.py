@@ -37,6 +37,7 @@ from trident.deepspeed.config import fill_from_run, ignored_line
 from trident.engine.assembly import attach_data_and_resume, cast_to_compute_dtype, loss_scaler_for, monitors_for
 from trident.engine.compile import apply_compile, compile_scope
 from trident.engine.engine import Engine
+from trident.engine.flops import attach_flops_profiler
 from trident.engine.param_groups import RequestedGroups, map_client_optimizer, record_deepspeed_arguments
 from trident.engine.pipeline_engine import build_pipeline_engine
 from trident.engine.host_allocator import tune_glibc_malloc
@@ -167,6 +168,7 @@ def initialize(
     engine.compile_report = compile_report  # graph breaks per compiled block, filled on the first step
     record_deepspeed_arguments(engine, client_groups is not None, lr_scheduler, mpu, training_data, collate_fn)
     engine.parameter_counts = counts  # this rank's (tp / pp local) elements, before any ZeRO partitioning
+    attach_flops_profiler(engine)  # `flops_profiler`: engine.flops_profiler
     _log_startup(engine, device)
     if (line := ignored_line(list(cfg._notes))) is not None:
         logger.info(line)

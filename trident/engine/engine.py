@@ -21,6 +21,7 @@ from trident.comm.logger import CommsLogger
 from trident.config.batch import BatchGetters, BatchSizes
 from trident.deepspeed.engine.api import DeepSpeedEngineAPI
 from trident.deepspeed.engine.settings import LossScale
+from trident.engine.flops import profile_phase, step_done
 from trident.engine.strategy import GradientStrategy, RemoteStrategy
 from trident.engine.timers import Timers
 from trident.moe.parallel import moe_events, moe_summary
@@ -167,7 +168,7 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the model; floating-point inputs are cast to the model's dtype (bf16/fp16)."""
         self._start_window()
-        with self.timers("forward"):
+        with self.timers("forward"), profile_phase(self, "forward"):
             self.token_weighting.count_forward(inputs, kwargs)
             inputs, kwargs = _cast_floats((inputs, kwargs), self.compute_dtype)
             return self.module(*inputs, **kwargs)
@@ -201,7 +202,7 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
             self._window_loss = self._window_loss + loss.detach().float()
             if scale_wrt_gas:
                 scale /= self.batch.gradient_accumulation_steps
-        with self.timers("backward"):
+        with self.timers("backward"), profile_phase(self, "backward"):
             self.strategy.start_backward(boundary=self.is_gradient_accumulation_boundary())
             (loss.float() * scale).backward(retain_graph=retain_graph)
             self.strategy.finish_backward()
@@ -237,10 +238,11 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
         device until someone reads `last_loss`). The pipeline engine calls this once per
         `train_batch`.
         """
-        with self.timers("step"):
+        with self.timers("step"), profile_phase(self, "step"):
             self._take_model_step()
         self.last_loss = window_loss
         self.global_steps += 1
+        step_done(self)  # the FLOPs profiler: the counted step ends, or the report after the timed one
         self.global_samples += self.batch.train_batch_size
         self._report()
         ckpt = self.config.checkpoint

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from trident.comm import collectives, p2p
 from trident.deepspeed.engine.pipe_api import DeepSpeedPipelineAPI
 from trident.engine.engine import Engine
+from trident.engine.flops import profile_phase
 from trident.engine.token_loss import MICRO_BATCH, TOKENS, configured_mode
 from trident.moe.parallel import moe_layers
 from trident.monitor.log import logger
@@ -123,7 +124,7 @@ class PipelineEngine(DeepSpeedPipelineAPI, Engine):
         split = next(i for i, instr in enumerate(self.train_program) if isinstance(instr, STEP))
         self._post_tied_receives()
         weighted = self._token_weighted
-        with self.timers("pipeline"):
+        with self.timers("pipeline"), profile_phase(self, "pipeline"):
             result = self.executor.run(self.train_program[:split], data_iter, train=True, token_weighted=weighted,
                                        loss_scale=self.loss_scale if weighted else self.loss_scale / self.micro_batches)
         self._send_tied_grads()

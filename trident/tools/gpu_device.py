@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from trident.engine.build import initialize
 from trident.models.gpt import GPTConfig
+from trident.planner.peak import gpu_preset_name
 from trident.tools.gpu_common import (MICRO, PASS, SKIP, STEPS, Outcome, compare, elapsed_seconds, engine_config,
                                       exact_fp32, make_gpt, median, needs_cuda, rank_rows, serial_run, tokens)
 
@@ -201,18 +202,6 @@ def planner_step_time(device: torch.device) -> Outcome:
     low, high = PLANNER_RATIO
     return Outcome.judge(low <= ratio <= high, f"{gpu} x {world}: predicted {predicted * 1e3:.1f} ms, measured "
                                                f"{measured * 1e3:.1f} ms ({ratio:.2f}x, bar {low}-{high}x)")
-
-
-def gpu_preset_name(device_name: str, total_memory: int) -> str | None:
-    """The planner's preset for a CUDA device name (as torch reports it), or None."""
-    name = device_name.upper()
-    gib = total_memory / 2**30
-    for marker, preset in (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("V100", "v100-32gb")):
-        if marker in name:
-            return preset
-    if "A100" in name:
-        return "a100-80gb" if gib > 48 else "a100-40gb"
-    return None
 
 
 def predicted_step_seconds(shape: GPTConfig, world: int, micro: int, gpu: str) -> float:

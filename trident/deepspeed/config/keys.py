@@ -44,7 +44,7 @@ ZERO_UNIMPLEMENTED_KEYS = frozenset({
 DEEPSPEED_ONLY_TOP_LEVEL = frozenset({
     "amp", "autotuning", "comet",
     "compression_training", "curriculum_learning", "data_efficiency", "data_types",
-    "disable_allgather", "dump_state", "eigenvalue", "elasticity", "flops_profiler",
+    "disable_allgather", "dump_state", "eigenvalue", "elasticity",
     "gradient_allreduce_op", "graph_harvesting", "hybrid_engine", "log_level", "managed_gradient_accumulation",
     "memory_breakdown", "nebula", "progressive_layer_drop", "sparse_attention",
     "sparse_gradients", "timers", "torch_autocast", "wandb", "weight_quantization",

@@ -93,7 +93,7 @@ RULES: dict[str, Rule] = {
     "sequence_parallel_size": Rule(_at_most_one, "1 = no sequence parallelism",
                                    "DeepSpeed-Ulysses sequence parallelism (use context_parallel.size)"),
     "amp": Rule(_off_section, "NVIDIA apex AMP is off", "NVIDIA apex AMP (use fp16 or bf16)"),
-    "flops_profiler": Rule(_off_section, "off", "the FLOPs profiler"),
+    # `flops_profiler` is a trident section (trident.config.run_sections.FlopsProfilerConfig)
     "autotuning": Rule(_off_section, "off", "DeepSpeed's autotuner (see `trident plan`)"),
     "wandb": Rule(_off_section, "off", "the Weights & Biases monitor"),
     "comet": Rule(_off_section, "off", "the Comet monitor"),

@@ -23,7 +23,7 @@ SWITCHED_OFF: dict[str, Any] = {
     "elasticity_enabled": False, "is_elastic_model_parallel_supported": False, "pld_enabled": False,
     "eigenvalue_enabled": False, "curriculum_enabled_legacy": False, "data_efficiency_enabled": False,
     "data_sampling_enabled": False, "curriculum_learning_enabled": False, "random_ltd_enabled": False,
-    "flops_profiler_enabled": False, "autotuning_enabled": False, "sparse_gradients_enabled": False,
+    "autotuning_enabled": False, "sparse_gradients_enabled": False,
     "optimizer_legacy_fusion": False, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
     "zero_partial_offload": 0.0, "super_offload": False, "compile_zero_optimization_stage": False,
     "compile_autosp": False, "compile_autotp": False, "uses_parallelization_pass_only": False,
@@ -63,6 +63,10 @@ ZERO_SETTINGS: dict[str, str] = dict(line.split() for line in """
 """.strip().splitlines())
 """Accessor -> the `zero_optimization` key it reads."""
 
+FLOPS_PROFILER_SETTINGS: dict[str, str] = {f"flops_profiler_{key}": key for key in (
+    "enabled", "recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed", "output_file")}
+"""Accessor -> the `flops_profiler` key it reads."""
+
 
 def _constant(name: str, value: Any):
     def accessor(self) -> Any:
@@ -72,11 +76,11 @@ def _constant(name: str, value: Any):
     return accessor
 
 
-def _zero_setting(name: str, key: str):
+def _section_setting(name: str, section: str, key: str):
     def accessor(self) -> Any:
-        return getattr(self.config.zero_optimization, key)
+        return getattr(getattr(self.config, section), key)
     accessor.__name__ = name
-    accessor.__doc__ = f"DeepSpeed's `{name}()`: zero_optimization.{key}."
+    accessor.__doc__ = f"DeepSpeed's `{name}()`: {section}.{key}."
     return accessor
 
 
@@ -245,4 +249,6 @@ class DeepSpeedSettingsAPI:
 for _name, _value in SWITCHED_OFF.items():
     setattr(DeepSpeedSettingsAPI, _name, _constant(_name, _value))
 for _name, _key in ZERO_SETTINGS.items():
-    setattr(DeepSpeedSettingsAPI, _name, _zero_setting(_name, _key))
+    setattr(DeepSpeedSettingsAPI, _name, _section_setting(_name, "zero_optimization", _key))
+for _name, _key in FLOPS_PROFILER_SETTINGS.items():
+    setattr(DeepSpeedSettingsAPI, _name, _section_setting(_name, "flops_profiler", _key))

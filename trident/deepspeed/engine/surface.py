@@ -100,9 +100,6 @@ ENGINE_UNSUPPORTED: dict[str, str] = {
     "curriculum_learning_config": _FEATURE.format("curriculum learning"),
     "random_ltd_config": _FEATURE.format("random-LTD"),
     "random_ltd_initialize": _FEATURE.format("random-LTD"),
-    **{n: _FEATURE.format("FLOPs profiler") + "; trident's per-step cost is `trident plan` / the step-cost log"
-       for n in ("flops_profiler_recompute_fwd_factor", "flops_profiler_profile_step", "flops_profiler_module_depth",
-                 "flops_profiler_top_modules", "flops_profiler_detailed", "flops_profiler_output_file")},
     **{n: _FEATURE.format("autotuner") + "; `trident plan` searches layouts instead"
        for n in ("autotuning_start_profile_step", "autotuning_end_profile_step", "autotuning_metric_path",
                  "autotuning_model_info_path", "autotuning_metric", "autotuning_profile_model_info")},
