@@ -15,10 +15,10 @@ import sys
 TRIDENT = [sys.executable, "-m", "trident.cli.main"]
 
 
-def run_trident(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """`trident ARGS...`, its output captured as text."""
+def run_trident(args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`trident ARGS...`, its output captured as text (`env`: the command's environment)."""
     proc = subprocess.Popen(TRIDENT + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

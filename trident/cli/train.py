@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from trident.cli.args import positive_int
-from trident.cli.launch import add_launch_arguments, launch
+from trident.cli.launch import add_host_arguments, add_launch_arguments, launch
 from trident.config import ConfigError, load_config
 from trident.trainer import DEFAULT_CONFIG
 
@@ -19,7 +19,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("train", help="train the reference GPT on N processes",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_launch_arguments(p)
-    p.set_defaults(nproc=2)
+    add_host_arguments(p)
+    p.set_defaults(default_nproc=2)  # without --nproc, a hostfile or SLURM: two ranks
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="DeepSpeed-style JSON config")
     p.add_argument("--steps", type=positive_int, default=None, help="override trainer.train_steps")
     p.add_argument("--run-dir", default=None, help="override trainer.run_dir")

@@ -43,7 +43,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("verify", help="check a parallel layout against one process",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_launch_arguments(p)
-    p.set_defaults(nproc=None)
+    p.set_defaults(nproc=None, no_slurm=True)  # one node: rank 0 reads the result file here
     p.add_argument("config", help="DeepSpeed-style JSON config (its layout is verified)")
     p.add_argument("--steps", type=positive_int, default=3, help="optimizer steps to compare (default 3)")
     p.add_argument("--model", default=None, metavar="SPEC",
