@@ -12,7 +12,7 @@ where s is the step about to run: DeepSpeed's engine asks for `global_steps + 1`
 forward (so the first step is s = 1), and keeps the length once it has reached max_difficulty.
 
 `truncate` cuts a batch to the length: dimension 1 (the sequence) of every tensor with two or
-more dimensions, as Megatron's GPT does with DeepSpeed's `curriculum_seqlen`; the trident
+more dimensions (a contiguous copy), as Megatron's GPT does with DeepSpeed's `curriculum_seqlen`; the trident
 loader's batch dicts keep their token counts (`tokens`, `pad_tokens`, `row_tokens`) right.
 """
 
@@ -103,7 +103,7 @@ def truncate(obj: Any, seqlen: int) -> Any:
     two or more dimensions cut to its first `seqlen` positions. A trident loader batch (a dict with
     `tokens` / `pad_tokens` / `row_tokens`) gets its counts for the cut batch."""
     if isinstance(obj, torch.Tensor):
-        return obj[:, :seqlen] if obj.dim() >= 2 and obj.shape[1] > seqlen else obj
+        return obj[:, :seqlen].contiguous() if obj.dim() >= 2 and obj.shape[1] > seqlen else obj
     if isinstance(obj, dict):
         out = {k: truncate(v, seqlen) for k, v in obj.items()}
         if "row_tokens" in obj and "tokens" in obj:
