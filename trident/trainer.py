@@ -6,7 +6,7 @@ own script drives the engine: build the model, `trident.initialize`, then per mi
 
 A run leaves one folder, `<trainer.run_dir>/<run name>/`:
   config.json          the resolved config (every default filled in)
-  metrics.csv          step, loss, lr, loss scale, grad norm, tokens/s
+  metrics.csv          step, loss, lr, loss scale, grad norm, tokens/s (and seq_len under a curriculum)
   tensorboard/         TensorBoard event file with the same scalars
   loss.png             the loss curve
   checkpoints/         engine checkpoints (`latest` names the newest)
@@ -26,6 +26,7 @@ from trident.comm import collectives
 from trident.comm.backend import init_distributed
 from trident.config import TridentConfig, load_config
 from trident.data.build import build_loader, prepared_text_dir
+from trident.data.curriculum import truncate
 from trident.data.tokenizer import load_tokenizer
 from trident.engine.build import data_parallel_rank, data_parallel_size, initialize
 from trident.models.gpt import GPT, GPT_PRESETS, GPTConfig
@@ -147,8 +148,9 @@ def train(cfg: TridentConfig) -> Path:
     for step in range(engine.global_steps + 1, steps + 1):
         start = time.perf_counter()
         counts = torch.zeros(2)  # padding and input tokens of this rank's micro-batches
+        seqlen = engine.curriculum_seqlen()  # curriculum_learning: this step's sequence length, else None
         for _ in range(engine.gradient_accumulation_steps()):
-            batch = next(loader)
+            batch = next(loader) if seqlen is None else truncate(next(loader), seqlen)
             counts += torch.tensor([batch["pad_tokens"], batch["tokens"]], dtype=torch.float32)
             x, y, extra = _model_inputs(batch, env.device)
             engine.backward(engine(x, y, **extra))
@@ -166,6 +168,8 @@ def train(cfg: TridentConfig) -> Path:
         }
         if cfg.data.packing or cfg.data.bucketing:
             metrics["pad_share"] = (counts[0] / counts[1]).item()
+        if seqlen is not None:
+            metrics["seq_len"] = seqlen
         if step == 1 and is_writer:
             logger.info(_memory_report(engine, model_cfg))
         step_seconds.append(time.perf_counter() - start)

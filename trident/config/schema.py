@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from trident.config.errors import ConfigError, ConfigIssue
+from trident.config.monitor_sections import CometConfig, CurriculumLearningConfig, MLflowConfig, WandbConfig
 from trident.config.parallel_sections import (ActivationCheckpointingConfig, AioConfig, ContextParallelConfig,
                                               ExpertParallelConfig, LoRAConfig, OffloadOptimizerConfig,
                                               OffloadParamConfig, PipelineConfig, TensorParallelConfig, ZeroConfig)
@@ -38,6 +39,7 @@ __all__ = [
     "PipelineConfig", "SchedulerConfig", "Section", "TensorBoardConfig", "TensorParallelConfig", "TrainerConfig",
     "TridentConfig", "ZeroConfig",
 ]
+__all__ += ["CometConfig", "CurriculumLearningConfig", "MLflowConfig", "WandbConfig"]  # monitor_sections
 
 _BATCH = {"expects": 'a positive integer, "auto" or null'}
 
@@ -72,6 +74,11 @@ class TridentConfig(Section):
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig, description="Collective logging.")
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard scalars.")
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig, description="CSV scalars.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases scalars.")
+    comet: CometConfig = Field(default_factory=CometConfig, description="Comet scalars.")
+    mlflow: MLflowConfig = Field(default_factory=MLflowConfig, description="MLflow scalars.")
+    curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig, description=(
+        "DeepSpeed's legacy sequence-length curriculum."))
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Process groups.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description=(
         "Periodic checkpoints and auto-resume."))

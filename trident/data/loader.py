@@ -107,13 +107,16 @@ def collate(samples: list[dict]) -> dict[str, torch.Tensor | int]:
     """Stack samples; rows of different lengths are right-padded (labels -100, own document).
 
     Adds the ints `pad_tokens` (padding in the batch) and `tokens` (its input size) for the
-    trainer's padding share.
+    trainer's padding share, and `row_tokens`, each row's tokens before its padding (padding is
+    always a row's tail), so a batch cut to a curriculum's length keeps exact counts.
     """
     lengths = [s["input_ids"].shape[0] for s in samples]
     length = max(lengths)
-    pad_tokens = sum(length - n + s.get("pad_tokens", 0) for n, s in zip(lengths, samples))
+    row_tokens = [n - s.get("pad_tokens", 0) for n, s in zip(lengths, samples)]
+    pad_tokens = length * len(samples) - sum(row_tokens)
     # counts as Python ints: a worker would send every 0-d tensor through its own shared memory
-    out: dict[str, torch.Tensor | int] = {"pad_tokens": pad_tokens, "tokens": length * len(samples)}
+    out: dict[str, torch.Tensor | int | list[int]] = {"pad_tokens": pad_tokens, "tokens": length * len(samples),
+                                                      "row_tokens": row_tokens}
     if min(lengths) == length:
         out.update({key: torch.stack([s[key] for s in samples]) for key in samples[0] if key != "pad_tokens"})
         return out

@@ -38,8 +38,9 @@ def loss_scaler_for(cfg: TridentConfig) -> StaticLossScaler | DynamicLossScaler 
 
 
 def monitors_for(cfg: TridentConfig, writer: bool) -> Monitors:
-    """TensorBoard and CSV monitors as configured, writing on the engine's one writer rank only."""
-    return Monitors(cfg.tensorboard, cfg.csv_monitor, enabled=writer)
+    """Every configured monitor (TensorBoard, CSV, W&B, Comet, MLflow), writing on the engine's
+    one writer rank only; every rank checks that their libraries are installed."""
+    return Monitors.from_config(cfg, enabled=writer)
 
 
 def make_loader(dataset: Any, collate_fn: Callable | None, replicas: int, rank: int, micro_batch: int,

@@ -22,9 +22,10 @@ from trident.config.batch import BatchGetters, BatchSizes
 from trident.deepspeed.engine.api import DeepSpeedEngineAPI
 from trident.deepspeed.engine.settings import LossScale
 from trident.engine.flops import profile_phase, step_done
+from trident.engine.curriculum import curriculum_for, curriculum_inputs
+from trident.engine.reporting import StepReporter
 from trident.engine.strategy import GradientStrategy, RemoteStrategy
 from trident.engine.timers import Timers
-from trident.moe.parallel import moe_events, moe_summary
 from trident.monitor.log import logger
 from trident.engine.token_loss import MICRO_BATCH, TOKENS, TokenWeighting, configured_mode
 from trident.parallel.adapter import adapter_for
@@ -105,6 +106,8 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
         self._pending_read = None  # a PendingRead the next optimizer step checks (the pipeline engine's)
         self._grad_factor: torch.Tensor | None = None  # the next step's token-weighting factor
         self.token_weighting = _token_weighting(module, config, mesh, strategy)
+        self.curriculum_scheduler_legacy = curriculum_for(config)  # DeepSpeed's name; None when off
+        self.reporter = StepReporter(next(module.parameters()).device)
 
     # -- coordinates (DeepSpeed names) -----------------------------------------------------
 
@@ -156,6 +159,12 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
         """Norm of the averaged gradient at the last optimizer step, before clipping."""
         return self._global_grad_norm
 
+    def curriculum_seqlen(self) -> int | None:
+        """The curriculum's sequence length for the step about to run (`curriculum_learning`;
+        DeepSpeed's schedule at global_steps + 1), or None without a curriculum."""
+        scheduler = self.curriculum_scheduler_legacy
+        return None if scheduler is None else scheduler.update_difficulty(self.global_steps + 1)
+
     # -- training --------------------------------------------------------------------------
 
     def train(self, mode: bool = True) -> "Engine":
@@ -169,6 +178,8 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
         """Run the model; floating-point inputs are cast to the model's dtype (bf16/fp16)."""
         self._start_window()
         with self.timers("forward"), profile_phase(self, "forward"):
+            inputs, kwargs = curriculum_inputs(self, inputs, kwargs)
+            self.reporter.count_inputs(inputs, kwargs)
             self.token_weighting.count_forward(inputs, kwargs)
             inputs, kwargs = _cast_floats((inputs, kwargs), self.compute_dtype)
             return self.module(*inputs, **kwargs)
@@ -213,6 +224,7 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
         """Advance one micro-step; on the boundary, take the optimizer step."""
         boundary = self.is_gradient_accumulation_boundary()
         self._boundary_override = None  # set_gradient_accumulation_boundary holds for one micro-step
+        self.micro_steps += 1  # before the boundary step: a periodic checkpoint it writes counts this micro-step
         if boundary:
             weighted = self.token_weighting.close_window()
             if weighted is not None:
@@ -222,7 +234,6 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
             self._boundary_step(window_loss)
             self._window_loss = 0.0
             self._window_open = False
-        self.micro_steps += 1
         self._backward_pending = False
 
     def _start_window(self) -> None:
@@ -301,25 +312,7 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
         return ()
 
     def _report(self) -> None:
-        step = self.global_steps
-        if self.monitors is not None and getattr(self.monitors, "enabled", True) and self.ranks.writer:
-            events = [("Train/Samples/train_loss", self.last_loss, self.global_samples),
-                      ("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
-            if self.loss_scaler is not None:
-                events.append(("Train/Samples/loss_scale", self.loss_scale, self.global_samples))
-            events += moe_events(self.module, self.global_samples)  # MoE: expert load, dropped share
-            self.monitors.write_events(events)
-            self.monitors.flush()  # as DeepSpeed's monitors do: a killed job keeps its curves
-        every = self.config.steps_per_print
-        if every and step % every == 0:
-            norm = self._global_grad_norm
-            logger.info("step %d: loss %.4f, lr %.3e, loss scale %g, grad norm %s, skipped %d",
-                        step, self.last_loss, self.get_lr()[0], self.loss_scale,
-                        "n/a" if norm is None else f"{norm:.4f}", self.skipped_steps)
-            if self.timers.enabled:
-                logger.info("step %d time: %s", step, self.timers.report_and_reset())
-            for line in moe_summary(self.module):
-                logger.info("step %d: %s", step, line)
+        self.reporter.report(self)  # monitors every step, the log line every steps_per_print (engine/reporting.py)
 
     # -- accounting ------------------------------------------------------------------------
 
@@ -456,6 +449,8 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
             "skipped_steps": self.skipped_steps,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "curriculum": (self.curriculum_scheduler_legacy.state_dict()
+                           if self.curriculum_scheduler_legacy is not None else None),
         }
 
     def load_training_state(self, state: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool) -> None:
@@ -465,6 +460,8 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.curriculum_scheduler_legacy is not None and state.get("curriculum") is not None:
+            self.curriculum_scheduler_legacy.load_state_dict(state["curriculum"])
 
 
 def _token_weighting(module: torch.nn.Module, config, mesh: ParallelMesh | None, strategy) -> TokenWeighting:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from trident.comm import collectives, p2p
 from trident.deepspeed.engine.pipe_api import DeepSpeedPipelineAPI
+from trident.engine.curriculum import curriculum_batches
 from trident.engine.engine import Engine
 from trident.engine.flops import profile_phase
 from trident.engine.token_loss import MICRO_BATCH, TOKENS, configured_mode
@@ -119,7 +120,7 @@ class PipelineEngine(DeepSpeedPipelineAPI, Engine):
         Without `data_iter`, the micro-batches come from `initialize(training_data=...)`'s loader,
         repeated (DeepSpeed's behaviour).
         """
-        data_iter = self._batches(data_iter)
+        data_iter = curriculum_batches(self, self._batches(data_iter))  # cut to the curriculum's length
         self.module.train()
         split = next(i for i, instr in enumerate(self.train_program) if isinstance(instr, STEP))
         self._post_tied_receives()
@@ -136,12 +137,12 @@ class PipelineEngine(DeepSpeedPipelineAPI, Engine):
             self._grad_factor, self._batch_loss = self.token_weighting.factor_and_mean(
                 status[2:3] * self.mesh.cp_size, status[3] * self.mesh.cp_size)
         self._pending_read = PendingRead(status, lambda values: self._stop_if_failed(values, result, "train_batch"))
+        self.micro_steps += self.micro_batches  # before the step: a periodic checkpoint it writes counts them
         for instr in self.train_program[split:]:
             self._step_handlers[type(instr)]()
         if self._pending_read is not None:  # a program without an optimizer step still checks
             pending, self._pending_read = self._pending_read, None
             pending.resolve()
-        self.micro_steps += self.micro_batches
         return self._batch_loss.float()
 
     def _default_data_iter(self) -> Iterator | None:

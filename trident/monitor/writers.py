@@ -2,23 +2,31 @@
 
 `CSVMonitor` keeps one table, `<output_path>/<job_name>/metrics.csv`, one row per step and one
 column per metric (DeepSpeed writes one file per metric; a single table is easier to read and
-to plot). `TensorBoardMonitor` writes event files into `<output_path>/<job_name>/`. `Monitors`
-builds both from the `tensorboard` and `csv_monitor` config sections and fans events out.
-Only rank 0 should write: the caller passes `enabled=False` on every other rank.
+to plot). `TensorBoardMonitor` writes event files into `<output_path>/<job_name>/`. The other
+backends have a module each: `wandb_monitor`, `comet_monitor`, `mlflow_monitor`. `Monitors`
+builds every enabled one from the config's sections (`tensorboard`, `csv_monitor`, `wandb`,
+`comet`, `mlflow`) and fans events out. Only rank 0 writes: the caller passes `enabled=False`
+on every other rank. docs/monitoring.md lists what is written when.
 """
 
 from __future__ import annotations
 
+import atexit
 import csv
+import importlib.util
 import os
 from itertools import groupby
 from pathlib import Path
 from typing import Any, Iterable
 
+from trident.config.monitor_sections import MONITOR_SECTIONS, CometConfig, MLflowConfig, WandbConfig
+from trident.config.run_sections import CSVMonitorConfig, TensorBoardConfig
+
 Event = tuple[str, float, int]
 
-# DeepSpeed's defaults for both sections (deepspeed/monitor/config.py).
-SECTION_DEFAULTS = {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"}
+# Each section's keys and DeepSpeed's defaults (deepspeed/monitor/config.py; mlflow is trident's).
+SECTION_CLASSES = {"tensorboard": TensorBoardConfig, "csv_monitor": CSVMonitorConfig, "wandb": WandbConfig,
+                   "comet": CometConfig, "mlflow": MLflowConfig}
 
 
 class CSVMonitor:
@@ -98,23 +106,64 @@ class TensorBoardMonitor:
         self.writer.close()
 
 
-class Monitors:
-    """Every enabled writer of the config, behind one `write_events` / `flush` / `close`.
+class MonitorLibraryMissing(ImportError):
+    """An enabled monitor section whose library is not installed; the message names the pip package."""
 
-    `tensorboard` and `csv_monitor` are the config sections (typed objects or plain dicts) with
-    keys `enabled`, `output_path`, `job_name` and DeepSpeed's defaults (False, "",
-    "DeepSpeedJobName"). With `enabled=False` (ranks other than 0) nothing is created.
+
+LIBRARIES: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+    "comet": ("comet_ml", "comet_ml"), "mlflow": ("mlflow", "mlflow-skinny"),
+}
+"""Section -> (the module it imports, the pip package that installs it)."""
+
+
+def require_library(key: str) -> None:
+    """Raise `MonitorLibraryMissing` when section `key`'s library is not installed (checked
+    without importing it, so every rank can ask cheaply and all fail alike)."""
+    if key not in LIBRARIES:
+        return
+    module, package = LIBRARIES[key]
+    if importlib.util.find_spec(module) is None:
+        raise MonitorLibraryMissing(
+            f"{key}.enabled is true, but the Python package `{package}` (module `{module}`) is not installed: "
+            f"pip install {package}  (or pip install 'trident[monitors]' for every monitor), or set "
+            f"{key}.enabled to false")
+
+
+class Monitors:
+    """Every enabled monitor of the config behind one `write_events` / `flush` / `close`:
+    DeepSpeed's MonitorMaster, one writer per backend.
+
+    The sections are `tensorboard`, `csv_monitor` (keys `enabled`, `output_path`, `job_name`,
+    DeepSpeed's defaults False, "", "DeepSpeedJobName"), `wandb`, `comet` and `mlflow`, as typed
+    config sections or plain dicts. Every rank checks that the enabled sections' libraries are
+    installed (the same error everywhere, naming the pip package); only a rank with
+    `enabled=True` (the writer) creates the writers. `run_config` (the resolved config) is given
+    to the backends that record a run's parameters (wandb, comet). `writers` adds writers of
+    one's own (anything with `write_events`, `flush` and `close`).
     """
 
-    def __init__(self, tensorboard: Any = None, csv_monitor: Any = None, enabled: bool = True):
-        self.writers: list[CSVMonitor | TensorBoardMonitor] = []
-        if not enabled:
-            return
-        for key, section, kind in (("tensorboard", tensorboard, TensorBoardMonitor),
-                                   ("csv_monitor", csv_monitor, CSVMonitor)):
-            settings = _section(key, section)
-            if settings["enabled"]:
-                self.writers.append(kind(settings["output_path"], settings["job_name"]))
+    def __init__(self, tensorboard: Any = None, csv_monitor: Any = None, enabled: bool = True, *,
+                 wandb: Any = None, comet: Any = None, mlflow: Any = None, run_config: dict | None = None,
+                 writers: Iterable[Any] = ()) -> None:
+        given = {"tensorboard": tensorboard, "csv_monitor": csv_monitor, "wandb": wandb, "comet": comet,
+                 "mlflow": mlflow}
+        on = {key: settings for key, settings in ((k, _section(k, given[k])) for k in MONITOR_SECTIONS)
+              if settings.enabled}
+        for key in on:
+            require_library(key)
+        self.writers: list[Any] = list(writers)
+        if enabled:
+            for key, settings in on.items():
+                self.writers.append(_build(key, settings, run_config))
+        if self.writers:
+            atexit.register(self.close)  # a script that never calls engine.destroy() still closes its runs
+
+    @classmethod
+    def from_config(cls, cfg: Any, enabled: bool) -> Monitors:
+        """The monitors of a whole config (a TridentConfig); `enabled` on the writer rank only."""
+        return cls(**{key: getattr(cfg, key) for key in MONITOR_SECTIONS}, enabled=enabled,
+                   run_config=_without_secrets(cfg.to_dict()) if hasattr(cfg, "to_dict") else None)
 
     @property
     def enabled(self) -> bool:
@@ -129,21 +178,52 @@ class Monitors:
             writer.flush()
 
     def close(self) -> None:
-        for writer in self.writers:
+        """Close every writer (finishes W&B / MLflow runs, ends a Comet experiment); idempotent."""
+        writers, self.writers = self.writers, []
+        for writer in writers:
             writer.close()
 
 
-def _section(key: str, section: Any) -> dict[str, Any]:
-    """A section's three settings, from a typed config object, a dict, or None (all defaults)."""
+MonitorMaster = Monitors
+"""DeepSpeed's name of the fan-out."""
+
+
+def _build(key: str, settings: Any, run_config: dict | None) -> Any:
+    if key == "tensorboard":
+        return TensorBoardMonitor(settings.output_path, settings.job_name)
+    if key == "csv_monitor":
+        return CSVMonitor(settings.output_path, settings.job_name)
+    if key == "wandb":
+        from trident.monitor.wandb_monitor import WandbMonitor
+        return WandbMonitor(settings, run_config)
+    if key == "comet":
+        from trident.monitor.comet_monitor import CometMonitor
+        return CometMonitor(settings, run_config)
+    from trident.monitor.mlflow_monitor import MLflowMonitor
+    return MLflowMonitor(settings)
+
+
+def _without_secrets(config: Any) -> Any:
+    """The config a run records as its parameters, with API keys (comet.api_key) left out."""
+    if isinstance(config, dict):
+        return {k: _without_secrets(v) for k, v in config.items() if k != "api_key"}
+    return config
+
+
+def _section(key: str, section: Any) -> Any:
+    """Section `key` as its typed config class, from a typed object, a dict, or None (all defaults)."""
+    kind = SECTION_CLASSES[key]
     if section is None:
-        return dict(SECTION_DEFAULTS)
+        return kind()
+    if isinstance(section, kind):
+        return section
     if isinstance(section, dict):
-        unknown = sorted(set(section) - set(SECTION_DEFAULTS))
+        unknown = sorted(set(section) - set(kind.model_fields))
         if unknown:
             raise ValueError(f"{key}: unknown key(s) {', '.join(unknown)}; allowed keys are "
-                             f"{', '.join(SECTION_DEFAULTS)}")
-        return {**SECTION_DEFAULTS, **section}
-    return {name: getattr(section, name, default) for name, default in SECTION_DEFAULTS.items()}
+                             f"{', '.join(kind.model_fields)}")
+        return kind(**section)
+    return kind(**{name: getattr(section, name) for name in kind.model_fields if hasattr(section, name)})
 
 
 def _format(value: float) -> str:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from trident.comm import collectives
 from trident.comm.backend import init_distributed
 from trident.config import ConfigError, TridentConfig, load_config, resolve_batch
+from trident.config.monitor_sections import MONITOR_SECTIONS
 from trident.engine.build import initialize
 from trident.parallel.mesh import ParallelMesh
 from trident.tools.verify_compare import compare, default_rtol, report
@@ -121,8 +122,7 @@ def _serial_config(cfg: TridentConfig, global_batch: int, micro: int) -> Trident
 def _quiet_sections(cfg: TridentConfig) -> dict:
     """verify writes nothing: no checkpoints, no resume, no monitors."""
     return {"checkpoint": cfg.checkpoint.model_copy(update={"path": None, "auto_resume": False}),
-            "tensorboard": cfg.tensorboard.model_copy(update={"enabled": False}),
-            "csv_monitor": cfg.csv_monitor.model_copy(update={"enabled": False}),
+            **{key: getattr(cfg, key).model_copy(update={"enabled": False}) for key in MONITOR_SECTIONS},
             "steps_per_print": 0}
 
 

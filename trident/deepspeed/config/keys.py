@@ -42,12 +42,12 @@ ZERO_UNIMPLEMENTED_KEYS = frozenset({
 })
 
 DEEPSPEED_ONLY_TOP_LEVEL = frozenset({
-    "amp", "autotuning", "comet",
-    "compression_training", "curriculum_learning", "data_efficiency", "data_types",
+    "amp", "autotuning",
+    "compression_training", "data_efficiency", "data_types",
     "disable_allgather", "dump_state", "eigenvalue", "elasticity",
     "gradient_allreduce_op", "graph_harvesting", "hybrid_engine", "log_level", "managed_gradient_accumulation",
     "memory_breakdown", "nebula", "progressive_layer_drop", "sparse_attention",
-    "sparse_gradients", "timers", "torch_autocast", "wandb", "weight_quantization",
+    "sparse_gradients", "timers", "torch_autocast", "weight_quantization",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
 })
 

@@ -95,13 +95,10 @@ RULES: dict[str, Rule] = {
     "amp": Rule(_off_section, "NVIDIA apex AMP is off", "NVIDIA apex AMP (use fp16 or bf16)"),
     # `flops_profiler` is a trident section (trident.config.run_sections.FlopsProfilerConfig)
     "autotuning": Rule(_off_section, "off", "DeepSpeed's autotuner (see `trident plan`)"),
-    "wandb": Rule(_off_section, "off", "the Weights & Biases monitor"),
-    "comet": Rule(_off_section, "off", "the Comet monitor"),
     "nebula": Rule(_off_section, "off", "Nebula checkpointing"),
     "elasticity": Rule(_off_section, "off", "DeepSpeed elasticity (trident uses torchrun's elastic agent)"),
     "eigenvalue": Rule(_off_section, "off", "eigenvalue computation"),
     "progressive_layer_drop": Rule(_off_section, "off", "progressive layer dropping"),
-    "curriculum_learning": Rule(_off_section, "off", "curriculum learning"),
     "data_efficiency": Rule(_off_section, "off", "data efficiency (curriculum, random-LTD)"),
     "hybrid_engine": Rule(_off_section, "off", "the hybrid (RLHF) engine"),
     # no `enabled` switch: DeepSpeed reads a non-empty block (a `mode`, block sizes) as sparse attention asked for

@@ -45,7 +45,8 @@ class DeepSpeedAttributesAPI:
 
     @property
     def monitor(self):
-        """The TensorBoard / CSV monitors (DeepSpeed's MonitorMaster): `write_events([(name, value, step)])`."""
+        """The monitors (DeepSpeed's MonitorMaster: TensorBoard, CSV, W&B, Comet, MLflow):
+        `write_events([(name, value, step)])`."""
         return self.monitors
 
     @property

@@ -21,7 +21,7 @@ SWITCHED_OFF: dict[str, Any] = {
     "checkpoint_serialization_enabled": True, "checkpoint_writer_enabled": False,
     "checkpoint_tag_validation_enabled": True, "checkpoint_tag_validation_fail": False,
     "elasticity_enabled": False, "is_elastic_model_parallel_supported": False, "pld_enabled": False,
-    "eigenvalue_enabled": False, "curriculum_enabled_legacy": False, "data_efficiency_enabled": False,
+    "eigenvalue_enabled": False, "data_efficiency_enabled": False,
     "data_sampling_enabled": False, "curriculum_learning_enabled": False, "random_ltd_enabled": False,
     "autotuning_enabled": False, "sparse_gradients_enabled": False,
     "optimizer_legacy_fusion": False, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
@@ -157,6 +157,15 @@ class DeepSpeedSettingsAPI:
 
     def wall_clock_breakdown(self) -> bool:
         return bool(self.config.wall_clock_breakdown)
+
+    def curriculum_enabled_legacy(self) -> bool:
+        return bool(self.config.curriculum_learning.enabled)
+
+    def curriculum_params_legacy(self) -> dict | bool:
+        """The `curriculum_learning` section without `enabled` (DeepSpeed's; False when the config has none)."""
+        if "curriculum_learning" not in self.config.model_fields_set:
+            return False
+        return self.config.curriculum_learning.model_dump(exclude={"enabled"}, exclude_none=True)
 
     def postscale_gradients(self) -> bool:
         return not self.config.prescale_gradients

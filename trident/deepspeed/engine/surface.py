@@ -89,15 +89,16 @@ ENGINE_UNSUPPORTED: dict[str, str] = {
     "set_train_batch_size": "set train_batch_size in the config; trident fixes the batch sizes at initialize",
     "set_train_micro_batch_size": "set train_micro_batch_size_per_gpu in the config",
     "set_data_post_process_func": _FEATURE.format("data efficiency pipeline"),
-    "set_custom_curriculum_learning_schedule": _FEATURE.format("curriculum learning"),
+    "set_custom_curriculum_learning_schedule": _FEATURE.format("data-efficiency curriculum (data_efficiency.data_sampling)")
+    + "; the legacy `curriculum_learning` section runs (engine.curriculum_scheduler_legacy)",
     **{n: _FEATURE.format("progressive layer drop") for n in ("pld_params", "pld_theta", "pld_gamma")},
     **{n: _FEATURE.format("eigenvalue computation") for n in (
         "eigenvalue_verbose", "eigenvalue_max_iter", "eigenvalue_tol", "eigenvalue_stability",
         "eigenvalue_gas_boundary_resolution", "eigenvalue_layer_name", "eigenvalue_layer_num")},
-    "curriculum_params_legacy": _FEATURE.format("curriculum learning"),
     "data_efficiency_config": _FEATURE.format("data efficiency"),
     "data_sampling_config": _FEATURE.format("data efficiency"),
-    "curriculum_learning_config": _FEATURE.format("curriculum learning"),
+    "curriculum_learning_config": _FEATURE.format("data-efficiency curriculum (data_efficiency.data_sampling)")
+    + "; the legacy `curriculum_learning` section runs (engine.curriculum_scheduler_legacy)",
     "random_ltd_config": _FEATURE.format("random-LTD"),
     "random_ltd_initialize": _FEATURE.format("random-LTD"),
     **{n: _FEATURE.format("autotuner") + "; `trident plan` searches layouts instead"
