@@ -4,13 +4,12 @@ the saved step (the data position comes back with it)."""
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
 import pytest
 
-from tests.scripts.jobs import run_trident
+from tests.scripts.jobs import run_trident, train_and_read_metrics
 
 pytestmark = pytest.mark.launch
 
@@ -35,13 +34,7 @@ def _train(tmp_path: Path, data: dict, steps: int, name: str, **checkpoint) -> l
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "model": {"type": "gpt", "preset": "tiny"}, "data": data,
               "trainer": {"train_steps": steps, "save_interval": 2}, "checkpoint": checkpoint}
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(config))
-    proc = run_trident(["train", "--nproc", "2", "--config", str(path), "--run-dir", str(tmp_path),
-                        "--run-name", name], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(tmp_path / name / "metrics.csv") as f:
-        return list(csv.DictReader(f))
+    return train_and_read_metrics(tmp_path, config, name)
 
 
 def test_packed_blend_trains_and_reports_padding(tmp_path, corpora):

@@ -27,3 +27,17 @@ def run_trident(args: list[str], timeout: float, env: dict | None = None) -> sub
         raise AssertionError(f"`trident {' '.join(args)}` did not end within {timeout:g} s; killed it.\n"
                              f"stdout tail:\n{out[-2000:]}\nstderr tail:\n{err[-2000:]}") from None
     return subprocess.CompletedProcess(TRIDENT + args, proc.returncode, out, err)
+
+
+def train_and_read_metrics(tmp_path, config: dict, name: str, nproc: int = 2) -> list[dict]:
+    """`trident train` on `config` (written to tmp_path/NAME.json); the run's metrics.csv rows."""
+    import csv
+    import json
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    proc = run_trident(["train", "--nproc", str(nproc), "--config", str(path), "--run-dir", str(tmp_path),
+                        "--run-name", name], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / name / "metrics.csv") as f:
+        return list(csv.DictReader(f))

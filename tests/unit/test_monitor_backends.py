@@ -72,7 +72,7 @@ def wandb_history(wandb_dir, project: str = "trident-test", group: str | None = 
 
 
 def test_wandb_offline_run_holds_the_scalars(offline):
-    pytest.importorskip("wandb")
+    import wandb  # noqa: F401  (the dev extra installs it: missing is a failure, not a skip)
     mons = Monitors(wandb={"enabled": True, "project": "trident-test", "group": "g1"}, run_config={"seed": 7})
     for events in EVENTS:
         mons.write_events(events)
@@ -85,7 +85,7 @@ def test_wandb_offline_run_holds_the_scalars(offline):
 
 def test_wandb_goes_offline_without_credentials(offline, monkeypatch):
     """No WANDB_MODE and no key anywhere: offline, not a login prompt or a hang."""
-    pytest.importorskip("wandb")
+    import wandb  # noqa: F401  (the dev extra installs it: missing is a failure, not a skip)
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("NETRC", str(offline / "no-netrc"))
     mons = Monitors(wandb={"enabled": True, "project": "trident-test", "group": "g1"})
@@ -95,7 +95,7 @@ def test_wandb_goes_offline_without_credentials(offline, monkeypatch):
 
 
 def test_mlflow_file_store_holds_the_scalars(offline, monkeypatch):
-    pytest.importorskip("mlflow")
+    import mlflow  # noqa: F401  (the dev extra installs it: missing is a failure, not a skip)
     from mlflow import MlflowClient
 
     monkeypatch.chdir(offline)  # the default store is ./mlruns
@@ -117,7 +117,7 @@ def test_mlflow_file_store_holds_the_scalars(offline, monkeypatch):
 
 
 def test_comet_offline_archive_holds_the_scalars(offline):
-    pytest.importorskip("comet_ml")
+    import comet_ml  # noqa: F401  (the dev extra installs it: missing is a failure, not a skip)
     from comet_ml.messages import MetricMessage
 
     mons = Monitors(comet={"enabled": True, "project": "trident-test", "experiment_name": "e1",
@@ -149,7 +149,7 @@ def test_missing_library_names_the_pip_package(monkeypatch, tmp_path):
 def test_sections_come_from_a_deepspeed_config(offline, monkeypatch):
     """DeepSpeed's `wandb` and `comet` keys (and trident's `mlflow`) load; Monitors.from_config
     builds every enabled backend (here: CSV and MLflow)."""
-    pytest.importorskip("mlflow")
+    import mlflow  # noqa: F401  (the dev extra installs it: missing is a failure, not a skip)
     monkeypatch.chdir(offline)
     cfg = load_config({
         "train_micro_batch_size_per_gpu": 1,
@@ -170,7 +170,7 @@ def test_sections_come_from_a_deepspeed_config(offline, monkeypatch):
 
 def test_the_recorded_run_config_leaves_api_keys_out(monkeypatch):
     """wandb and Comet record the resolved config with the run; Comet's api_key stays out of it."""
-    pytest.importorskip("comet_ml")
+    import comet_ml  # noqa: F401  (the dev extra installs it: missing is a failure, not a skip)
     from trident.monitor import writers
 
     built = []
