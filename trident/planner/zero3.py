@@ -11,8 +11,8 @@ the recomputed forward of each layer), on two resources:
 - the communication stream (one per process group, as NCCL's are) runs the collectives one
   after another in the order they were issued. When module i starts, the gathers of the next
   modules are issued, up to `stage3_prefetch_bucket_size` elements ahead (at least the next
-  gathered module: DeepSpeed's and trident's prefetch loops add one before they check the
-  bucket; 0 turns prefetch off, so each module's gather is issued when it is needed). A
+  gathered module: DeepSpeed's prefetch loop adds a parameter before it checks the bucket; 0
+  turns prefetch off, so each module's gather is issued when it is needed). A
   collective waits for the compute issued before it (NCCL's stream waits on the stream that
   issued it), so a gather issued as module i starts cannot begin before module i - 1 is done.
 - gradients fill buckets of `reduce_bucket_size` elements in backward; a full bucket's
@@ -29,6 +29,12 @@ GPUs are added at a fixed batch) the step is the communication stream's time.
 Compute is the stage's (`time.StageTime`: forward, backward, recomputed forward, tensor-parallel
 collectives included) laid over the modules in proportion to their GEMM time; element-wise work
 and the attention scores form a module without parameters after the qkv projection.
+
+Not modelled: `stage3_max_live_parameters` (DeepSpeed also stops prefetching while more than
+that many elements are gathered), and trident's own prefetch, which takes only modules that fit
+in the bucket whole and stops at the first that does not (`trident.zero.stage3`): with the
+default bucket it does not prefetch past modules of more than 5e7 elements, where DeepSpeed
+takes one.
 """
 
 from __future__ import annotations
@@ -214,6 +220,7 @@ def _place_reduce_scatters(model: ModelSpec, layout: Layout, workload: Workload,
             ops.reduce[i] = reduce(bucket)
             total, bucket = total + ops.reduce[i], 0.0
     if bucket > 0 and len(ops.grads) > start:
-        ops.reduce[-1] += reduce(bucket)
-        total += reduce(bucket)
+        last = reduce(bucket)
+        ops.reduce[-1] += last
+        total += last
     return total
