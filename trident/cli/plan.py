@@ -91,6 +91,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="a trident/DeepSpeed JSON config: report its layout")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 (or the config's)")
     p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, lion or adagrad (default adam)")
+    p.add_argument("--attention", choices=("flash", "eager"), default="flash",
+                   help="attention kernel: flash (fused, no s x s scores kept or moved) or eager (unfused softmax, "
+                        "as Megatron-LM 2021 and many older runs); default flash")
+    p.add_argument("--dropout", action="store_true",
+                   help="the model trains with dropout (its masks are kept and moved; default: none)")
     p.add_argument("--lora-r", type=positive_int, default=None,
                    help="LoRA fine-tuning with adapters of this rank (default: full training, or --config's lora.r)")
     p.add_argument("--lora-targets", type=_lora_targets, default=DEFAULT_LORA_TARGETS,
@@ -150,7 +155,11 @@ def _config_layout(path: str, gpus: int) -> tuple[Layout, dict]:
     optimizer = cfg.optimizer.type.lower() if cfg.optimizer else None
     lora_r = cfg.lora.r if getattr(cfg, "lora", None) is not None else 0
     method = cp_section.method if cp_section is not None else "ring"
+    buckets = {"reduce_bucket_elems": zero.reduce_bucket_size, "zero3_prefetch_elems": zero.stage3_prefetch_bucket_size,
+               "zero3_persistence_threshold": zero.stage3_param_persistence_threshold,
+               "zero3_max_reuse_distance": zero.stage3_max_reuse_distance}
     return layout, {"global_batch": batch.train_batch_size, "precision": precision, "optimizer": optimizer,
+                    "buckets": buckets,
                     "micro_batch_open": cfg.train_micro_batch_size_per_gpu is None,
                     "compression": compression_from_config(json.loads(Path(path).read_text())),
                     "lora_r": lora_r, "cp_method": method,
@@ -223,7 +232,8 @@ def run(args: argparse.Namespace, out=None) -> int:
                                 lora_targets=args.lora_targets,
                                 cp_method=args.cp_method or cfg["cp_method"],
                                 cp_ulysses_size=None if args.cp_method else cfg["cp_ulysses_size"],
-                                compression=cfg["compression"] if cfg["compression"].active else None)
+                                compression=cfg["compression"] if cfg["compression"].active else None,
+                                attention=args.attention, dropout=args.dropout, **cfg["buckets"])
             if cfg["micro_batch_open"]:  # the config leaves it open: the largest that fits
                 est = fit_micro_batch(model, layout, cluster, workload)
             else:
@@ -232,7 +242,7 @@ def run(args: argparse.Namespace, out=None) -> int:
             return 0 if est.valid and est.fits else 1
         workload = Workload(seq, args.global_batch or _default_batch(seq, args.gpus), args.precision or "bf16",
                             args.optimizer, lora_r=args.lora_r or 0, lora_targets=args.lora_targets,
-                            cp_method=args.cp_method or "ring")
+                            cp_method=args.cp_method or "ring", attention=args.attention, dropout=args.dropout)
         result = search(model, cluster, workload)
     except (ValueError, OSError) as err:
         print(f"trident plan: {err}", file=sys.stderr)

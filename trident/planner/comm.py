@@ -13,6 +13,16 @@ each reduced over the network in parallel (every GPU has its own share of the no
 then all-gather inside the node. `LINK_EFFICIENCY` is the share of a link's rate that NCCL's
 bus bandwidth reaches on large messages.
 
+ZeRO-3's per-module gathers and gradient reduce-scatters are flat instead
+(`flat_collective_time`): one collective over the whole dp group per module (DeepSpeed's stage
+3, FSDP), no NVLink stage in front of the network (ZeRO++'s hpZ, Wang et al. 2023, exists to add
+one). Every rank of a node runs the same gather at the same moment, so each rank's
+(n-1)/n S crosses the network at its own share of the node's adapters, and the ring's n - 1
+steps pay NVLink's latency inside nodes and the network's between them. This is what makes
+ZeRO-3 without model parallelism collapse at a fixed global batch (Narayanan et al. 2021,
+Table 2): each GPU moves all the parameters three or four times a step whatever the GPU count,
+while its share of the batch, the compute that hides it, halves each time the GPUs double.
+
 Ranks are ordered (pp, dp, cp, ep, tp), tp fastest, so a tp group is consecutive ranks, a dp
 group strides by tp and a pp neighbour is tp * dp ranks away (times cp and ep when they are > 1).
 Context parallelism adds its attention traffic (`context_parallel_traffic`) and joins the
@@ -29,6 +39,8 @@ from trident.planner.compression import gradient_bytes, parameter_gather_bytes
 from trident.planner.layout import Layout, Workload, cp_groups, grad_accumulation, local_seq_len, stage_layers
 from trident.planner.memory import StateBytes, cp_kv_dim, rank_parameter_counts
 from trident.planner.presets import Cluster, ModelSpec
+from trident.planner.zero3_modules import (zero3_kept_for_backward, zero3_layer_modules, zero3_module_elements,
+                                           zero3_outer_modules)
 
 LINK_EFFICIENCY = 0.8
 
@@ -112,6 +124,23 @@ def _measured(cluster: Cluster, op: str):
     return cal.collective(op) if cal is not None else None
 
 
+def flat_collective_time(op: str, size: float, span: GroupSpan, cluster: Cluster) -> float:
+    """One flat ring all-gather or reduce-scatter of `size` bytes over `span` (ZeRO-3's
+    per-module collectives): inside one node the NVLink ring; across nodes the ring's slowest
+    link, each rank's share of the node's network adapters, carries its (n-1)/n S, and of the
+    n - 1 steps, n - m cross NVLink and m - 1 the network. A calibrated cluster uses its fit."""
+    if span.size <= 1:
+        return 0.0
+    fit = _measured(cluster, op)
+    if fit is not None:
+        return fit.seconds(op, size, span.size)
+    intra, inter = _links(cluster)
+    n, m = span.size, span.nodes
+    if m == 1:
+        return ring_reduce_scatter(size, n, intra)
+    return (n - m) * intra.latency + (m - 1) * inter.latency + (n - 1) / n * size / inter.bandwidth
+
+
 def p2p_time(size: float, cluster: Cluster, layout: Layout) -> float:
     """One pipeline send between neighbouring stages. Across nodes the tp ranks each send 1/tp
     of the tensor over their own adapters (Megatron's scatter/gather) and all-gather it after."""
@@ -153,8 +182,8 @@ def data_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workload, 
     all-gathers the updated parameters), stage 2 reduce-scatters on every micro-batch, stage 3
     gathers every module's parameters before its forward and again before its backward, one
     collective per module (`zero3_gathers`). Stage 0-2's reduction overlaps backward except
-    for the last bucket; stage 3's gathers are prefetched (how much of them hides is
-    `time.zero3_exposed`). Only trainable parameters (LoRA's adapters) have gradients and
+    for the last bucket; stage 3's gathers are prefetched and its collectives are flat (how
+    much of them hides is `trident.planner.zero3`). Only trainable parameters (LoRA's adapters) have gradients and
     change; stage 3 gathers the frozen ones as well. `workload.compression` shrinks the
     bytes (`trident.planner.compression`).
     """
@@ -168,8 +197,9 @@ def data_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workload, 
     stage = layout.zero_stage
 
     def t(axis_op: str, what: str, size: float, calls: int, overlapped: bool) -> Traffic:
-        seconds = calls * collective_time(axis_op, size, span, cluster, in_step=stage in (1, 2))
-        return Traffic("dp", axis_op, what, size, calls, seconds, overlapped)
+        one = (flat_collective_time(axis_op, size, span, cluster) if stage == 3 else
+               collective_time(axis_op, size, span, cluster, in_step=stage in (1, 2)))
+        return Traffic("dp", axis_op, what, size, calls, calls * one, overlapped)
 
     what = "gradients" + (" (compressed)" if c is not None and c.active and grads < trainable * state.gradient else "")
     if stage == 0:
@@ -182,47 +212,56 @@ def data_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workload, 
     return out
 
 
-def zero3_module_elements(model: ModelSpec, layout: Layout, workload: Workload) -> list[float]:
-    """Elements of each module stage 3 gathers on one rank per micro-batch pass: a layer's
-    linear layers (norms and biases under the persistence threshold stay whole), then the
-    embedding. trident and DeepSpeed gather per module: one collective each."""
-    h, t, b = model.d_model, layout.tp, int(model.bias)
-    experts = model.num_experts // layout.ep if model.num_experts else 1
-    mlp_in = (2 if model.gated_mlp else 1) * model.ff_dim
-    per_layer = [(h * (h + 2 * model.kv_dim) + b * (h + 2 * model.kv_dim)) / t, (h * h + b * h) / t]
-    per_layer += [(h * mlp_in + b * mlp_in) / t] * experts + [(model.ff_dim * h + b * h) / t] * experts
-    per_layer += [model._norm_params()] * 2
-    embedding = model.vocab_size * h / t + (model.seq_len * h if model.position == "learned" else 0)
-    head = [model.vocab_size * h / t] if not model.tie_embeddings else []
-    finals = [model._norm_params()] * (2 if model.embed_norm else 1)
-    modules = per_layer * stage_layers(model, layout.pp) + [embedding] + head + finals
-    return [m for m in modules if m > workload.zero3_persistence_threshold]
-
-
 def zero3_gathers(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster,
                   state: StateBytes) -> list[Traffic]:
-    """Stage 3's parameter all-gathers: one per module per pass, each paying the group's
-    latency (alpha x steps) and its bytes; forward (and a recomputed forward), then backward,
-    whose gathers stay inside a node under ZeRO++'s hpZ."""
+    """Stage 3's parameter all-gathers, flat over the dp group: one per module per pass, each
+    paying the ring's latency and its bytes; forward, the recomputed forward (full
+    recomputation), then backward, where a module the recompute gathered and kept
+    (`zero3_kept_for_backward`) is not gathered again. Without recomputation backward gathers
+    every module again (the ZeRO paper's 3 Psi). Gathers after the forward stay inside a node
+    under ZeRO++'s hpZ."""
     gas = grad_accumulation(layout, workload) or 1
     c = workload.compression
     span = group_span("dp", layout, cluster.gpus_per_node)
     modules = zero3_module_elements(model, layout, workload)
-    if not modules:
+    if not modules or span.size <= 1:
         return []
-    sizes = [parameter_gather_bytes(c, m, state.parameter) for m in modules]
     hpz = c.hpz_partition_size if c is not None else 1
     back_span = _span(min(hpz, span.size), layout.tp * layout.ep, cluster.gpus_per_node) if hpz > 1 else span
-    passes = 2 if layout.activation_checkpointing == "full" else 1
-    mean = sum(sizes) / len(sizes)
-    fwd_one = sum(collective_time("all_gather", s, span, cluster) for s in sizes)
-    bwd_one = sum(collective_time("all_gather", s, back_span, cluster) for s in sizes)
-    fwd_calls, bwd_calls = gas * passes * len(sizes), gas * len(sizes)
-    return [Traffic("dp", "all_gather", f"parameters, forward{' + recompute' if passes > 1 else ''} (one per module)",
-                    mean, fwd_calls, gas * passes * fwd_one, True, None, "forward"),
-            Traffic("dp", "all_gather", "parameters, backward (one per module"
-                    + (f", inside hpZ groups of {hpz})" if hpz > 1 else ")"), mean, bwd_calls, gas * bwd_one, True,
-                    None, "backward")]
+
+    priced: dict[tuple[float, int], float] = {}
+
+    def one(m: float, where: GroupSpan) -> float:
+        if (m, where.size) not in priced:
+            size = parameter_gather_bytes(c, m, state.parameter)
+            priced[(m, where.size)] = flat_collective_time("all_gather", size, where, cluster)
+        return priced[(m, where.size)]
+
+    full = layout.activation_checkpointing == "full"
+    backward = modules
+    if full:
+        layer = [e for _, e in zero3_layer_modules(model, layout) if e > workload.zero3_persistence_threshold]
+        kept = zero3_kept_for_backward(layer, workload)
+        first, last = zero3_outer_modules(model, layout)
+        outer = [m for m in first + last if m > workload.zero3_persistence_threshold]
+        backward = outer + [e for e, k in zip(layer, kept) if not k] * stage_layers(model, layout.pp)
+    inside = f", inside hpZ groups of {hpz}" if hpz > 1 else ""
+    out = [_gathers("parameters, forward (one per module)", modules, gas, state, c,
+                    sum(one(m, span) for m in modules), "forward")]
+    if full:
+        out.append(_gathers(f"parameters, recomputed forward (one per module{inside})", modules, gas, state, c,
+                            sum(one(m, back_span) for m in modules), "backward"))
+    if backward:
+        out.append(_gathers(f"parameters, backward (one per module not kept from the recompute{inside})" if full
+                            else f"parameters, backward (one per module{inside})", backward, gas, state, c,
+                            sum(one(m, back_span) for m in backward), "backward"))
+    return out
+
+
+def _gathers(what: str, modules: list[float], gas: int, state: StateBytes, c, one_pass: float,
+             phase: str) -> Traffic:
+    mean = sum(parameter_gather_bytes(c, m, state.parameter) for m in modules) / len(modules)
+    return Traffic("dp", "all_gather", what, mean, gas * len(modules), gas * one_pass, True, None, phase)
 
 
 def tensor_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster) -> list[Traffic]:

@@ -14,7 +14,9 @@ logits GEMM [T, h] x [h, V / t]. Element-wise traffic (`time.elementwise_bytes_p
 goes at the sustained memory bandwidth (backward: twice the forward's), and every layer pays
 a fixed cost per kernel: `KERNELS_FORWARD` + `KERNELS_BACKWARD` kernels at
 `GPUSpec.kernel_seconds` (launch latency on a GPU, an autograd op's dispatch on a CPU) -- what
-makes small layers slower than their FLOPs say. A calibrated device prices fused attention
+makes small layers slower than their FLOPs say. The loss adds its memory-bound passes over the
+[T, V / t] logits in fp32 (`LOSS_PASSES`): with a 50k vocabulary and a narrow model they cost
+as much as several layers. A calibrated device prices fused attention
 at the rate measured for its kernel (`GPUSpec.attention_rates`, by head width): on a CPU it
 runs at about half the GEMM rate, and much slower still for narrow heads.
 """
@@ -34,6 +36,18 @@ KERNELS_BACKWARD = 24
 """Their backward kernels (most element-wise ops have one or two)."""
 KERNELS_HEAD = 8
 """Embedding lookup, final norm, loss (log-softmax, gather, mean) forward and backward."""
+LOSS_PASSES = (4, 5)
+"""fp32 passes over the [tokens, vocab / tp] logits the loss makes, forward and backward: the
+log-softmax reads each row three times (its maximum, the sum of exponentials, the output) and
+writes it once; backward, nll's dense gradient is written once, and the log-softmax's backward
+reads it twice (its sum, the output) and the saved output once, and writes once. 16-bit logits
+add the upcast (read e, write 4) and its backward copy (read 4, write e)."""
+
+
+def loss_bytes_per_logit(activation_bytes: int) -> tuple[float, float]:
+    """(forward, backward) HBM bytes the cross-entropy loss moves per logit (`LOSS_PASSES`)."""
+    upcast = activation_bytes + 4 if activation_bytes < 4 else 0
+    return 4 * LOSS_PASSES[0] + upcast, 4 * LOSS_PASSES[1] + upcast
 
 
 @dataclass(frozen=True)
@@ -94,6 +108,9 @@ def micro_batch_compute(model: ModelSpec, layout: Layout, workload: Workload, cl
     bwd_layer += 2 * ew + KERNELS_BACKWARD * g.kernel_seconds
     tokens = layout.micro_batch * local_seq_len(layout, workload)
     head_f, head_b = _fwd_bwd(curve, tokens, model.vocab_size / layout.tp, model.d_model, 1, e)
+    logits = tokens * model.vocab_size / layout.tp
+    loss_f, loss_b = (logits * b / (g.hbm_bandwidth * g.memory_efficiency) for b in loss_bytes_per_logit(e))
+    head_f, head_b = head_f + loss_f, head_b + loss_b
     head_k = KERNELS_HEAD * g.kernel_seconds
     forward, backward = layers * fwd_layer + head_f + head_k / 2, layers * bwd_layer + head_b + head_k / 2
     if layout.activation_checkpointing == "full":

@@ -134,9 +134,11 @@ class Estimate:
         if not gathers:
             return []
         calls, seconds = sum(x.calls for x in gathers), sum(x.seconds for x in gathers)
+        reduce = sum(x.seconds for x in self.traffic if x.axis == "dp" and x.op == "reduce_scatter")
         return [f"ZeRO-3         {calls} per-module gathers take {seconds:.3f} s (latency x calls + bytes / "
-                f"bandwidth); {self.time.zero3_gathers_exposed:.3f} s exposed with a prefetch of "
-                f"{self.workload.zero3_prefetch_elems:,} elements"]
+                f"bandwidth) and the gradient reduce-scatters {reduce:.3f} s; played out module by module, "
+                f"{self.time.dp_comm_exposed:.3f} s of them exposed ({self.time.zero3_gathers_exposed:.3f} s "
+                f"by the gathers alone) with a prefetch of {self.workload.zero3_prefetch_elems:,} elements"]
 
 
 def _cp_text(layout: Layout, workload: Workload) -> str:

@@ -12,8 +12,12 @@ of the same curve answer `seconds(m, n, k)` for C[m, n] = A[m, k] B[k, n]:
   (`GPUSpec.gemm_efficiency` of peak) scaled by cuBLAS's tile and wave quantization (NVIDIA,
   "Matrix Multiplication Background User's Guide", DU-09799-001, sections 2.3 and 3: output
   tiles of 256 x 128 or 128 x 128 are spread over the SMs in waves; a last partial wave or a
-  partly filled tile idles the rest), the memory roofline (bytes of A, B and C at HBM
-  bandwidth) and a fixed launch cost per kernel.
+  partly filled tile idles the rest), by the reduction depth (`GPUSpec.gemm_depth`: each
+  output tile loads its pipeline and writes its result once whatever k is, so a short k loop
+  runs below the rate of a long one; a table of measured rates by k, relative to k = 4096,
+  interpolated in log k), the memory roofline (bytes of A, B and C at HBM bandwidth) and a
+  fixed launch cost per kernel. The depth factor leaves fused kernels (flash attention, whose
+  loop runs over the sequence) alone.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class GemmCurve:
     sms: int                   # streaming multiprocessors: tiles run in waves of this many
     memory_bandwidth: float    # bytes/s
     launch_seconds: float = 4e-6
+    depth: tuple[tuple[int, float], ...] = ()  # (k, rate relative to the deepest k): measured; () = 1
 
     def quantization(self, m: int, n: int, batch: int = 1) -> float:
         """Useful share of the tile-and-wave grid for `batch` m x n outputs (1.0 when they fill it;
@@ -54,7 +59,8 @@ class GemmCurve:
         """`batch` GEMMs of (m, n, k) run as one batched kernel; dtype_bytes 0 leaves out the
         memory roofline (a fused kernel that keeps its output on chip, as flash attention)."""
         flops = 2.0 * m * n * k * batch
-        compute = flops / (self.peak_flops * self.efficiency * self.quantization(m, n, batch))
+        depth = depth_factor(self.depth, k) if dtype_bytes else 1.0
+        compute = flops / (self.peak_flops * self.efficiency * self.quantization(m, n, batch) * depth)
         memory = batch * dtype_bytes * (m * k + k * n + m * n) / self.memory_bandwidth
         return max(compute, memory) + self.launch_seconds
 
@@ -127,6 +133,12 @@ def gemm_seconds(curve, m: float, n: float, k: float, dtype_bytes: int = 2, coun
         return 0.0
     whole = max(1, int(count))
     return count / whole * curve.seconds(max(1, round(m)), max(1, round(n)), max(1, round(k)), dtype_bytes, whole)
+
+
+def depth_factor(table: tuple[tuple[int, float], ...], k: float) -> float:
+    """A GEMM's rate at reduction depth `k` relative to deep ones: linear in log(rate) over log(k)
+    between the table's points, clamped at its ends; 1 without a table."""
+    return attention_rate(table, k) if table else 1.0
 
 
 def attention_rate(rates: tuple[tuple[int, float], ...], head_dim: float) -> float:

@@ -108,7 +108,10 @@ class Workload:
     reduction, ZeRO++; `trident.planner.compression`). ZeRO-3 gathers each module's
     parameters: `zero3_prefetch_elems` (DeepSpeed's `stage3_prefetch_bucket_size`) bounds how
     far ahead they are fetched, modules of at most `zero3_persistence_threshold` elements
-    (`stage3_param_persistence_threshold`) stay whole and are never gathered.
+    (`stage3_param_persistence_threshold`) stay whole and are never gathered, and a module
+    gathered for a recomputed forward stays gathered for its backward when the parameters
+    gathered in between are at most `zero3_max_reuse_distance` elements
+    (`stage3_max_reuse_distance`).
     """
 
     seq_len: int
@@ -125,6 +128,7 @@ class Workload:
     compression: CommCompression | None = None
     zero3_prefetch_elems: int = 50_000_000
     zero3_persistence_threshold: int = 100_000
+    zero3_max_reuse_distance: int = 1_000_000_000
 
     def __post_init__(self) -> None:
         if self.cp_method not in CP_METHODS:

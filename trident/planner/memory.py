@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from trident.planner.layout import (DEFAULT_LORA_TARGETS, Layout, Workload, attention_kind, cp_groups,
                                     grad_accumulation, local_seq_len, stage_layers)
 from trident.planner.presets import Cluster, ModelSpec
+from trident.planner.zero3_modules import zero3_kept_for_backward, zero3_layer_modules, zero3_module_elements
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lion": 4, "adagrad": 4, "sgd": 4, "sgd-nomomentum": 0}
 """fp32 optimizer state per parameter: Adam's two moments, one momentum/sum for the others."""
@@ -282,17 +283,33 @@ def activation_memory(model: ModelSpec, layout: Layout, workload: Workload) -> f
 
 
 def comm_buffer_bytes(model: ModelSpec, layout: Layout, workload: Workload, state: StateBytes) -> float:
-    """Staging buffers of gradient reduction (stages 1-3), gathered layers (stage 3) and
+    """Staging buffers of gradient reduction (stages 1-3), gathered modules (stage 3) and
     pipeline send/receive buffers."""
     _, trainable = rank_parameter_counts(model, layout, workload)
     total = 0.0
     if layout.zero_stage >= 1:
         total += min(workload.reduce_bucket_elems, trainable) * state.gradient
     if layout.zero_stage == 3:
-        total += 2 * model.layer_parameters() / layout.tp * state.parameter  # current + prefetched layer
+        total += zero3_gathered_elements(model, layout, workload) * state.parameter
     if layout.pp > 1:
         total += 2 * layout.micro_batch * local_seq_len(layout, workload) * model.d_model * workload.activation_bytes
     return total + context_parallel_buffer_bytes(model, layout, workload)
+
+
+def zero3_gathered_elements(model: ModelSpec, layout: Layout, workload: Workload) -> float:
+    """Most parameter elements stage 3 holds gathered at once: the module running, those
+    prefetched (up to `stage3_prefetch_bucket_size` elements, at least one more module) and,
+    under full recomputation, a layer's modules kept from the recomputed forward for their
+    backward (`zero3_kept_for_backward`)."""
+    modules = zero3_module_elements(model, layout, workload)
+    if not modules:
+        return 0.0
+    largest = max(modules)
+    live = largest + (max(largest, workload.zero3_prefetch_elems) if workload.zero3_prefetch_elems > 0 else 0.0)
+    if layout.activation_checkpointing == "full":
+        layer = [e for _, e in zero3_layer_modules(model, layout) if e > workload.zero3_persistence_threshold]
+        live += sum(e for e, kept in zip(layer, zero3_kept_for_backward(layer, workload)) if kept)
+    return live
 
 
 def context_parallel_buffer_bytes(model: ModelSpec, layout: Layout, workload: Workload) -> float:

@@ -224,6 +224,10 @@ class GPUSpec:
     host issues a step's operators while the GPU runs earlier ones, so a step takes at least
     ops x this: a small model's step is host-bound (the H200 of 2026-11-27 dispatched about one
     operator per 13.6 us). 0 on a CPU, where the dispatch is part of each op's `kernel_seconds`."""
+    gemm_depth: tuple[tuple[int, float], ...] = ()
+    """(k, rate relative to k = 4096) of large-output GEMMs by reduction depth, measured on this
+    GPU (`trident.planner.gemm`); empty where no measurement is published (the tile and wave
+    model alone)."""
     gemm_table: GemmTable | None = None
     attention_rates: tuple[tuple[int, float], ...] = ()
     """(head width, FLOP/s) of the fused attention kernel, forward and backward, as measured here;
@@ -234,7 +238,7 @@ class GPUSpec:
         if self.gemm_table is not None:
             return self.gemm_table
         return GemmCurve(self.peak_flops, self.gemm_efficiency, self.sms, self.hbm_bandwidth * self.memory_efficiency,
-                         self.kernel_seconds)
+                         self.kernel_seconds, self.gemm_depth)
 
 
 # Peak FLOP/s, memory, HBM and NVLink bandwidths are NVIDIA's data sheets (V100, A100, H100,
@@ -255,13 +259,25 @@ class GPUSpec:
 # Background User's Guide" (DU-09799-001, 2023): 80 SMs on V100, 108 on A100, 132 on H100/H200,
 # output tiles of 256 x 128 down to 64 x 64 (`trident.planner.gemm`); Anthony et al. measure
 # the same effect on transformer GEMMs (hidden sizes that leave a partial wave lose up to ~40%).
+#
+# By reduction depth (`gemm_depth`): OpenXLA's measured matmul table for sm_90 (H100; openxla/xla
+# xla/service/gpu/model/matmul_interpolator_data.h, as vendored in tensorflow/tensorflow, bf16,
+# batch 1) gives m = n = 4096 GEMMs 392.2, 543.1, 677.4, 738.7 and 783.3 TFLOP/s at k = 256, 512,
+# 1024, 2048 and 4096: 0.50, 0.69, 0.86, 0.94 and 1 of the deepest. H200 has the same SMs and
+# clocks. No such table is published for A100 or V100 that we found: theirs stays the tile and
+# wave model alone (Narayanan et al.'s smallest Table 1 runs, k >= 1152, are predicted within
+# 7% with it; bench/planner_vs_published.py).
+H100_GEMM_DEPTH = ((256, 392.2 / 783.3), (512, 543.1 / 783.3), (1024, 677.4 / 783.3), (2048, 738.7 / 783.3),
+                   (4096, 1.0))
 GPU_PRESETS: dict[str, GPUSpec] = {g.name: g for g in [
     GPUSpec("v100-32gb", 125e12, 32 * GiB, 900e9, 150e9, 6.25e9, 12e9, sms=80),
     GPUSpec("a100-40gb", 312e12, 40 * GiB, 1555e9, 300e9, 25e9, 25e9),
     GPUSpec("a100-80gb", 312e12, 80 * GiB, 2039e9, 300e9, 25e9, 25e9),
-    GPUSpec("h100-80gb", 989e12, 80 * GiB, 3350e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70, sms=132),
+    GPUSpec("h100-80gb", 989e12, 80 * GiB, 3350e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70, sms=132,
+            gemm_depth=H100_GEMM_DEPTH),
     # nvidia-smi reports 143771 MiB (140 GiB) for the "141 GB" H200.
-    GPUSpec("h200-141gb", 989e12, 140 * GiB, 4800e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70, sms=132),
+    GPUSpec("h200-141gb", 989e12, 140 * GiB, 4800e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70, sms=132,
+            gemm_depth=H100_GEMM_DEPTH),
 ]}
 
 

@@ -15,6 +15,8 @@ micro-batches takes (m + p - 1)(t_f + t_b) with 1F1B or GPipe; interleaving v ch
 divides the (p - 1) bubble by v; zero-bubble H1 leaves about a third of it (Qi et al. 2023).
 Data-parallel collectives overlap the backward they follow when pp = 1 and wait for the
 pipeline flush when pp > 1 (as Megatron-LM and DeepSpeed's pipeline engine schedule them).
+ZeRO-3's gathers and reduce-scatters are played out module by module (`trident.planner.zero3`):
+they hide only as far as prefetch depth, bucket sizes and the compute between them allow.
 
 Context parallelism over C ranks gives each rank s / C tokens of every sequence (their
 attention still spans all s: the causal work is load-balanced by the zigzag layout), so compute
@@ -31,6 +33,7 @@ from trident.planner.compute import micro_batch_compute
 from trident.planner.layout import Layout, Workload, attention_kind, grad_accumulation, local_seq_len, stage_layers
 from trident.planner.memory import StateBytes, rank_parameter_counts
 from trident.planner.presets import Cluster, ModelSpec
+from trident.planner.zero3 import zero3_schedule
 
 HOST_BANDWIDTH_PER_GPU = 25e9
 """Host memory bandwidth a GPU's CPU optimizer share gets (a DDR4/DDR5 node of ~200-300 GB/s over 8 GPUs)."""
@@ -76,6 +79,7 @@ class StageTime:
     tp_comm: float
     pp_comm: float
     cp_comm: float = 0.0
+    recompute: float = 0.0  # of backward: the recomputed forward
 
 
 def _stage_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster,
@@ -90,7 +94,7 @@ def _stage_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: C
                       for phase in ("forward", "backward"))
     share_fwd = 2 / (6 if layout.activation_checkpointing == "full" else 4)  # forward's share of tp collectives
     return StageTime(fwd + share_fwd * tp + pp / 2 + cp_fwd, bwd + (1 - share_fwd) * tp + pp / 2 + cp_bwd, fwd + bwd,
-                     tp, pp, cp_fwd + cp_bwd)
+                     tp, pp, cp_fwd + cp_bwd, mb.recompute)
 
 
 def bubble_fraction_of_flush(layout: Layout) -> float:
@@ -112,44 +116,24 @@ def communication_overlaps_compute(cluster: Cluster) -> bool:
     return cal is None or cal.device != "cpu"
 
 
-def _dp_exposed(traffic: list[Traffic], layout: Layout, workload: Workload, stage: StageTime,
-                gas: int, overlap: bool = True) -> tuple[float, float]:
+def _dp_exposed(model: ModelSpec, traffic: list[Traffic], layout: Layout, workload: Workload, cluster: Cluster,
+                state: StateBytes, stage: StageTime, gas: int, overlap: bool = True) -> tuple[float, float]:
     """(data-parallel seconds not hidden under compute, of which ZeRO-3 gathers). Overlapped
     reductions hide under the boundary micro-batch's backward (stages 0-1) or every backward
-    (2-3); stage 3's per-module gathers as `zero3_exposed` says. Without `overlap` (CPU ranks)
-    nothing hides."""
+    (2); stage 3's gathers and reduce-scatters as `trident.planner.zero3` plays them out, module
+    by module. Without `overlap` (CPU ranks) nothing hides."""
     dp = [x for x in traffic if x.axis == "dp"]
-    gathers = [x for x in dp if x.phase in ("forward", "backward")]
     if not overlap:
-        return sum(x.seconds for x in dp), sum(x.seconds for x in gathers)
+        return sum(x.seconds for x in dp), sum(x.seconds for x in dp if x.phase in ("forward", "backward"))
     if layout.pp > 1:
         return sum(x.seconds for x in dp), 0.0
-    rest = [x for x in dp if x not in gathers]
-    hidden = sum(x.seconds for x in rest if x.overlapped)
+    if layout.zero_stage >= 3 and dp:
+        schedule = zero3_schedule(model, layout, workload, cluster, state, stage.forward, stage.backward,
+                                  stage.recompute)
+        return gas * schedule.exposed, gas * schedule.gathers_exposed
+    hidden = sum(x.seconds for x in dp if x.overlapped)
     window = gas * stage.backward if layout.zero_stage >= 2 else stage.backward
-    exposed_gathers = sum(zero3_exposed(x, gas * (stage.forward if x.phase == "forward" else stage.backward),
-                                        workload, gas) for x in gathers)
-    return sum(x.seconds for x in rest if not x.overlapped) + max(0.0, hidden - window) + exposed_gathers, \
-        exposed_gathers
-
-
-def zero3_exposed(gathers: Traffic, compute: float, workload: Workload, gas: int) -> float:
-    """Seconds of one pass's per-module gathers left on the critical path.
-
-    Gathers run one after another on the communication stream while modules compute; with
-    prefetch a gather starts up to `depth` modules early (depth = prefetch bucket / module
-    size), so each module waits max(0, t_gather - depth x t_compute), and all of them together
-    at least what the gathers take beyond the compute (one stream). The first gather of every
-    pass has nothing to hide under. No prefetch: every gather is exposed."""
-    if gathers.calls == 0 or gathers.seconds == 0.0:
-        return 0.0
-    per_gather, per_module = gathers.seconds / gathers.calls, compute / gathers.calls
-    elems = gathers.bytes_per_call / max(1e-9, workload.activation_bytes)
-    depth = workload.zero3_prefetch_elems / elems if elems else 0.0
-    if depth <= 0:
-        return gathers.seconds
-    waits = gathers.calls * max(0.0, per_gather - min(depth, 2.0) * per_module)
-    return max(waits, gathers.seconds - compute) + gas * per_gather
+    return sum(x.seconds for x in dp if not x.overlapped) + max(0.0, hidden - window), 0.0
 
 
 def _optimizer_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster,
@@ -201,7 +185,8 @@ def step_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Clu
     stage = _stage_time(model, layout, workload, cluster, traffic, gas)
     per_micro = stage.forward + stage.backward
     bubble = bubble_fraction_of_flush(layout) * per_micro
-    dp, gathers = _dp_exposed(traffic, layout, workload, stage, gas, communication_overlaps_compute(cluster))
+    dp, gathers = _dp_exposed(model, traffic, layout, workload, cluster, state, stage, gas,
+                              communication_overlaps_compute(cluster))
     opt = _optimizer_time(model, layout, workload, cluster, state)
     step = max(gas * per_micro + bubble + dp + opt, host_seconds(model, layout, gas, cluster))
     tokens = workload.tokens_per_step()
