@@ -209,6 +209,23 @@ def test_table_1_as_a_user_passes_it(tmp_path, capsys):
     assert _hfu_tflops(out) / 137 == pytest.approx(1.0, abs=0.20)
 
 
+def test_a_saved_gpt2_config_says_how_the_model_trains(tmp_path, capsys):
+    """A config.json as transformers saves it carries its dropout (GPT-2: attn_pdrop 0.1) and may
+    name its attention kernel: the plan prices those without flags, and flags still win."""
+    hf = {"model_type": "gpt2", "n_embd": 2304, "n_layer": 24, "n_head": 24, "vocab_size": 51200,
+          "n_positions": 2048, "attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_implementation": "eager"}
+    ds = {"train_batch_size": 512, "fp16": {"enabled": True}, "activation_checkpointing": {"layers": ["blocks"]}}
+    from_config = _cli(tmp_path, capsys, hf, ds, 32)
+    assert "eager attention, dropout" in from_config
+    assert _hfu_tflops(from_config) / 137 == pytest.approx(1.0, abs=0.20)
+    flags = _cli(tmp_path, capsys, {k: v for k, v in hf.items() if "drop" not in k and "attn_impl" not in k}, ds, 32,
+                 "--attention", "eager", "--dropout")
+    assert _hfu_tflops(flags) == _hfu_tflops(from_config)
+    overridden = _cli(tmp_path, capsys, hf, ds, 32, "--attention", "flash", "--no-dropout")
+    assert "flash attention" in overridden and ", dropout" not in overridden
+    assert _hfu_tflops(overridden) > _hfu_tflops(from_config)
+
+
 def test_zero3_settings_come_from_the_config(tmp_path, capsys):
     hf = {"model_type": "gpt2", "n_embd": 2048, "n_layer": 24, "n_head": 16, "vocab_size": 50257,
           "n_positions": 2048}

@@ -91,11 +91,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="a trident/DeepSpeed JSON config: report its layout")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 (or the config's)")
     p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, lion or adagrad (default adam)")
-    p.add_argument("--attention", choices=("flash", "eager"), default="flash",
+    p.add_argument("--attention", choices=("flash", "eager"), default=None,
                    help="attention kernel: flash (fused, no s x s scores kept or moved) or eager (unfused softmax, "
-                        "as Megatron-LM 2021 and many older runs); default flash")
-    p.add_argument("--dropout", action="store_true",
-                   help="the model trains with dropout (its masks are kept and moved; default: none)")
+                        "as Megatron-LM 2021 and many older runs); default: a model config's attn_implementation, "
+                        "else flash")
+    p.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
+                   help="the model trains with dropout (its masks are kept and moved); default: a model config's "
+                        "dropout probabilities (GPT-2's attn_pdrop / resid_pdrop, ...) when one is above 0, else none")
     p.add_argument("--lora-r", type=positive_int, default=None,
                    help="LoRA fine-tuning with adapters of this rank (default: full training, or --config's lora.r)")
     p.add_argument("--lora-targets", type=_lora_targets, default=DEFAULT_LORA_TARGETS,
@@ -123,6 +125,24 @@ def _model(args: argparse.Namespace) -> ModelSpec:
     if args.model.endswith(".json") or Path(args.model).is_file():
         return model_from_hf_config(args.model)
     return model_preset(args.model)
+
+
+_DROPOUT_KEYS = ("attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "attention_dropout",
+                 "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout")
+
+
+def _attention_and_dropout(args: argparse.Namespace) -> tuple[str, bool]:
+    """What the flags say, else what a Hugging Face-style model config says (a GPT-2 config.json
+    saved by transformers carries attn_pdrop 0.1): a run is priced as the model trains."""
+    data: dict = {}
+    if args.model and (args.model.endswith(".json") or Path(args.model).is_file()):
+        data = json.loads(Path(args.model).read_text())
+    kernel = data.get("attn_implementation") or data.get("_attn_implementation")
+    attention = args.attention or ("eager" if kernel == "eager" else "flash")
+    dropout = args.dropout
+    if dropout is None:
+        dropout = any(isinstance(data.get(k), (int, float)) and data[k] > 0 for k in _DROPOUT_KEYS)
+    return attention, dropout
 
 
 def _offload_device(zero, key: str) -> str:
@@ -225,6 +245,7 @@ def run(args: argparse.Namespace, out=None) -> int:
         model = _model(args)
         cluster = _cluster(args)
         seq = args.seq_len or model.seq_len
+        attention, dropout = _attention_and_dropout(args)
         if args.config:
             layout, cfg = _config_layout(args.config, args.gpus)
             workload = Workload(seq, args.global_batch or cfg["global_batch"], args.precision or cfg["precision"],
@@ -233,7 +254,7 @@ def run(args: argparse.Namespace, out=None) -> int:
                                 cp_method=args.cp_method or cfg["cp_method"],
                                 cp_ulysses_size=None if args.cp_method else cfg["cp_ulysses_size"],
                                 compression=cfg["compression"] if cfg["compression"].active else None,
-                                attention=args.attention, dropout=args.dropout, **cfg["buckets"])
+                                attention=attention, dropout=dropout, **cfg["buckets"])
             if cfg["micro_batch_open"]:  # the config leaves it open: the largest that fits
                 est = fit_micro_batch(model, layout, cluster, workload)
             else:
@@ -242,7 +263,7 @@ def run(args: argparse.Namespace, out=None) -> int:
             return 0 if est.valid and est.fits else 1
         workload = Workload(seq, args.global_batch or _default_batch(seq, args.gpus), args.precision or "bf16",
                             args.optimizer, lora_r=args.lora_r or 0, lora_targets=args.lora_targets,
-                            cp_method=args.cp_method or "ring", attention=args.attention, dropout=args.dropout)
+                            cp_method=args.cp_method or "ring", attention=attention, dropout=dropout)
         result = search(model, cluster, workload)
     except (ValueError, OSError) as err:
         print(f"trident plan: {err}", file=sys.stderr)
