@@ -38,7 +38,7 @@ from trident.engine.assembly import attach_data_and_resume, cast_to_compute_dtyp
 from trident.engine.compile import apply_compile, compile_scope
 from trident.engine.engine import Engine
 from trident.engine.flops import attach_flops_profiler
-from trident.engine import muon
+import trident.engine.muon as muon
 from trident.engine.param_groups import RequestedGroups, map_client_optimizer, record_deepspeed_arguments
 from trident.engine.pipeline_engine import build_pipeline_engine
 from trident.engine.host_allocator import tune_glibc_malloc
