@@ -1,7 +1,8 @@
 """Muon under trident trains to the same losses and weights as one plain-PyTorch process running
 trident.optim.Muon (fp32, rtol 1e-5), with gradient clipping active on every step: data
-parallelism (ZeRO stage 0) holds whole matrices, so Newton-Schulz sees what one process sees.
-ZeRO 1-3 and tensor-parallel shards are refused until the gather-to-owner step exists."""
+parallelism (ZeRO stage 0) holds whole matrices, so Newton-Schulz sees what one process sees;
+under ZeRO 1-3 (trident.zero.muon) each matrix is gathered to an owner rank and its shards
+scattered back. Offloaded optimizer states are refused until that step covers them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import trident
-from trident.config import ConfigError
+from trident.engine.full_state import full_state_dict
 from trident.models.gpt import GPT, GPTConfig
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import (SerialRun, assert_losses_close, assert_norms_close, assert_state_close,
@@ -33,10 +34,12 @@ def make_tokens(global_batch: int) -> torch.Tensor:
     return torch.randint(0, MODEL["vocab_size"], (STEPS * global_batch, MODEL["seq_len"] + 1), generator=g)
 
 
-def config(micro: int, stage: int = 0) -> dict:
+def config(micro: int, stage: int = 0, offload: str = "none") -> dict:
+    # small buckets: several units per partition group, matrices split across ranks
+    zero = {"stage": stage, "reduce_bucket_size": 3000, "offload_optimizer": {"device": offload}}
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
             "optimizer": optimizer_section("muon", LR), "gradient_clipping": CLIP,
-            "communication_data_type": "fp32", "zero_optimization": {"stage": stage}, "steps_per_print": 0}
+            "communication_data_type": "fp32", "zero_optimization": zero, "steps_per_print": 0}
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,9 +48,9 @@ def serial_reference(global_batch: int) -> SerialRun:
     return train_serial(make_model(), [(b[:, :-1], b[:, 1:]) for b in data.split(global_batch)], "muon", LR, CLIP)
 
 
-def train_dp(micro: int):
+def train_dp(micro: int, stage: int = 0):
     mesh = cached_mesh()
-    engine, _, _, _ = trident.initialize(model=make_model(), config=config(micro), mesh=mesh)
+    engine, _, _, _ = trident.initialize(model=make_model(), config=config(micro, stage), mesh=mesh)
     global_batch = micro * mesh.dp_size
     data = make_tokens(global_batch)
     losses, norms = [], []
@@ -59,15 +62,15 @@ def train_dp(micro: int):
         losses.append(engine.last_loss)
         norms.append(engine.get_global_grad_norm())
     muon = sorted(n for n, p in engine.module.named_parameters() if p.use_muon)
-    weights = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    weights = {k: v.float() for k, v in full_state_dict(engine).items()}
     return losses, weights, norms, muon
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_muon_dp_matches_serial_with_active_clipping(world):
+@pytest.mark.parametrize("world,stage", [(1, 0), (2, 0), (2, 1), (2, 2), (2, 3)])
+def test_muon_matches_serial_with_active_clipping(world, stage):
     ref = serial_reference(4 * world)
     assert max(ref.clip_coefs) < 1.0, f"clipping inactive on some step: {ref.clip_coefs}"
-    results = run_on_ranks(world, train_dp, 4)
+    results = run_on_ranks(world, train_dp, 4, stage)
     per_step = [sum(step) / world for step in zip(*[r[0] for r in results])]
     assert_losses_close(per_step, ref.losses, rtol=1e-5)
     for _, weights, norms, muon in results:
@@ -78,10 +81,11 @@ def test_muon_dp_matches_serial_with_active_clipping(world):
                                                                              "mlp.proj")]
 
 
-def start_zero1():
-    trident.initialize(model=make_model(), config=config(4, stage=1), mesh=cached_mesh())
+def start_offloaded():
+    trident.initialize(model=make_model(), config=config(4, stage=2, offload="cpu"), mesh=cached_mesh())
 
 
-def test_muon_under_zero_1_is_refused_with_the_key_named():
-    with pytest.raises(Exception, match="zero_optimization.stage: Muon runs with ZeRO stage 0 only"):
-        run_on_ranks(1, start_zero1)
+def test_muon_with_offloaded_states_is_refused_with_the_key_named():
+    with pytest.raises(Exception, match="zero_optimization.offload_optimizer.device: Muon does not run with "
+                                        "offloaded optimizer states"):
+        run_on_ranks(1, start_offloaded)

@@ -5,9 +5,10 @@ The config's `optimizer: {type: "Muon"}` names its AdamW exceptions by module na
 engine does) before the optimizer is built, and carries the tags to fp32 master copies.
 
 Newton-Schulz needs each matrix whole. Data parallelism (ZeRO stage 0) and pipeline stages
-hold whole matrices, so Muon runs there unchanged; ZeRO 1-3 (flat shards) and tensor-parallel
-shards are refused with a clear error until the distributed step (gather to an owner rank,
-orthogonalize, scatter back) exists.
+hold whole matrices, so Muon runs there unchanged; under ZeRO 1-3 trident.zero.muon gathers
+each matrix's momentum-updated gradient, orthogonalizes it on an owner rank and scatters the
+shards back. Offloaded optimizer states and tensor-parallel shards are refused with a clear
+error until that step covers them.
 """
 
 from __future__ import annotations
@@ -36,15 +37,15 @@ def carry_flags(mapping: dict[int, torch.Tensor], params: list[torch.Tensor]) ->
             master.use_muon = p.use_muon
 
 
-def check_muon_layout(optimizer: torch.optim.Optimizer, stage: int, tp_size: int) -> None:
+def check_muon_layout(optimizer: torch.optim.Optimizer, offload: str, tp_size: int) -> None:
     """A clear error where Muon would see only pieces of its matrices."""
     if not isinstance(optimizer, Muon):
         return
-    if stage > 0:
-        raise ConfigError([ConfigIssue("zero_optimization.stage", (
-            f"Muon runs with ZeRO stage 0 only in this version, got {stage}: Newton-Schulz needs each matrix "
-            "whole, and ZeRO 1-3 step flat shards (the gather-to-owner step is not implemented yet). Set "
-            "zero_optimization.stage to 0, or use AdamW with ZeRO"))])
+    if offload != "none":
+        raise ConfigError([ConfigIssue("zero_optimization.offload_optimizer.device", (
+            f"Muon does not run with offloaded optimizer states in this version, got {offload!r}: its "
+            "distributed step gathers whole matrices on the device. Set offload_optimizer.device to none, "
+            "or use AdamW with offload"))])
     sharded = [p for g in optimizer.param_groups if g["use_muon"] for p in g["params"]
                if getattr(p, "tensor_model_parallel", False)]
     if tp_size > 1 and sharded:
