@@ -89,3 +89,30 @@ def test_muon_with_offloaded_states_is_refused_with_the_key_named():
     with pytest.raises(Exception, match="zero_optimization.offload_optimizer.device: Muon does not run with "
                                         "offloaded optimizer states"):
         run_on_ranks(1, start_offloaded)
+
+
+def train_resumed(root: str, stage: int, stage_after: int):
+    """STEPS // 2 steps, a checkpoint, a fresh engine (maybe another ZeRO stage) loads it and
+    trains the rest: Muon's momentum must come back exactly."""
+    mesh = cached_mesh()
+    data = make_tokens(4 * mesh.dp_size)
+    engine = None
+    for first, last, st in ((0, STEPS // 2, stage), (STEPS // 2, STEPS, stage_after)):
+        if engine is not None:
+            engine.save_checkpoint(root)
+        engine, _, _, _ = trident.initialize(model=make_model(), config=config(4, st), mesh=mesh)
+        if first:
+            engine.load_checkpoint(root)
+        for step in range(first, last):
+            start = step * 4 * mesh.dp_size + mesh.dp_rank * 4
+            batch = data[start:start + 4]
+            engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+            engine.step()
+    return {k: v.float() for k, v in full_state_dict(engine).items()}
+
+
+@pytest.mark.parametrize("stage,stage_after", [(2, 2), (1, 3)])
+def test_muon_state_resumes_from_a_checkpoint(stage, stage_after, tmp_path):
+    ref = serial_reference(8)
+    for weights in run_on_ranks(2, train_resumed, str(tmp_path), stage, stage_after):
+        assert_state_close(weights, ref.weights, rtol=1e-5)
