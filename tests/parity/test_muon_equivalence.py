@@ -14,6 +14,7 @@ import torch
 import trident
 from trident.engine.full_state import full_state_dict
 from trident.models.gpt import GPT, GPTConfig
+from trident.tensor_parallel import parallelize
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import (SerialRun, assert_losses_close, assert_norms_close, assert_state_close,
                                     optimizer_section, train_serial)
@@ -22,6 +23,7 @@ STEPS = 6
 MODEL = dict(vocab_size=61, seq_len=16, n_layer=2, n_head=2, d_model=32, dropout=0.0, bias=False)
 LR = 3e-3
 CLIP = 0.05  # below the gradient norm on every step
+TP_PLAN = {"attn.qkv": "column", "attn.proj": "row", "mlp.fc": "column", "mlp.proj": "row"}
 
 
 def make_model() -> GPT:
@@ -48,11 +50,16 @@ def serial_reference(global_batch: int) -> SerialRun:
     return train_serial(make_model(), [(b[:, :-1], b[:, 1:]) for b in data.split(global_batch)], "muon", LR, CLIP)
 
 
-def train_dp(micro: int, stage: int = 0):
-    mesh = cached_mesh()
-    engine, _, _, _ = trident.initialize(model=make_model(), config=config(micro, stage), mesh=mesh)
+def train_dp(micro: int, stage: int = 0, tp: int = 1):
+    mesh = cached_mesh(tp=tp)
+    model = make_model()
+    if tp > 1:
+        parallelize(model, TP_PLAN, mesh)  # slices the full weights: qkv, fc by rows, proj by columns
+    engine, _, _, _ = trident.initialize(model=model, config={**config(micro, stage), "tensor_parallel": {"size": tp}},
+                                         mesh=mesh)
     global_batch = micro * mesh.dp_size
     data = make_tokens(global_batch)
+    assert mesh.tp_size == tp
     losses, norms = [], []
     for step in range(STEPS):
         start = step * global_batch + mesh.dp_rank * micro
@@ -71,7 +78,19 @@ def test_muon_matches_serial_with_active_clipping(world, stage):
     ref = serial_reference(4 * world)
     assert max(ref.clip_coefs) < 1.0, f"clipping inactive on some step: {ref.clip_coefs}"
     results = run_on_ranks(world, train_dp, 4, stage)
-    per_step = [sum(step) / world for step in zip(*[r[0] for r in results])]
+    check(results, ref, world)
+
+
+def test_muon_tp2_gathers_each_slice_whole():
+    """Each matrix split over 2 tensor-parallel ranks (qkv with its fused q/k/v blocks): gathered
+    over tp, orthogonalized whole, each rank keeping its slice."""
+    ref = serial_reference(4)
+    check(run_on_ranks(2, train_dp, 4, 0, 2), ref, 1)
+
+
+def check(results, ref: SerialRun, dp: int) -> None:
+    """Losses, every rank's gradient norms and whole weights against one process."""
+    per_step = [sum(step) / len(step) for step in zip(*[r[0] for r in results])]
     assert_losses_close(per_step, ref.losses, rtol=1e-5)
     for _, weights, norms, muon in results:
         assert_norms_close(norms, ref.norms, rtol=1e-6)

@@ -7,8 +7,9 @@ engine does) before the optimizer is built, and carries the tags to fp32 master 
 Newton-Schulz needs each matrix whole. Data parallelism (ZeRO stage 0) and pipeline stages
 hold whole matrices, so Muon runs there unchanged; under ZeRO 1-3 trident.zero.muon gathers
 each matrix's momentum-updated gradient, orthogonalizes it on an owner rank and scatters the
-shards back. Offloaded optimizer states and tensor-parallel shards are refused with a clear
-error until that step covers them.
+shards back. Tensor-parallel slices are gathered over the tp group (stage 0; Muon.tp_group).
+Offloaded optimizer states and tp slices under ZeRO 1-3 are refused with a clear error until
+the distributed step covers them.
 """
 
 from __future__ import annotations
@@ -29,17 +30,26 @@ def flag_model(cfg, model: torch.nn.Module) -> None:
         flag_muon_params(model, cfg.optimizer.params.get("exclude", DEFAULT_EXCLUDE))
 
 
+_CARRIED = ("use_muon", "tensor_model_parallel", "tp_spec")
+
+
 def carry_flags(mapping: dict[int, torch.Tensor], params: list[torch.Tensor]) -> None:
-    """Give each master copy its parameter's `use_muon` tag."""
+    """Give each master copy its parameter's `use_muon` tag and tensor-parallel split."""
     for p in params:
         master = mapping.get(id(p))
-        if master is not None and master is not p and hasattr(p, "use_muon"):
-            master.use_muon = p.use_muon
+        if master is not None and master is not p:
+            for attr in (a for a in _CARRIED if hasattr(p, a)):
+                setattr(master, attr, getattr(p, attr))
 
 
-def check_muon_layout(optimizer: torch.optim.Optimizer, offload: str, tp_size: int) -> None:
-    """A clear error where Muon would see only pieces of its matrices."""
+def check_muon_layout(optimizer: torch.optim.Optimizer, offload: str, mesh, stage: int) -> None:
+    """A clear error where Muon would see only pieces of its matrices; the tp group for
+    gathering tensor-parallel slices (stage 0) otherwise."""
     if not isinstance(optimizer, Muon):
+        return
+    tp_size = mesh.tp_size
+    if tp_size > 1 and stage == 0:
+        optimizer.tp_group = mesh.tp_group
         return
     if offload != "none":
         raise ConfigError([ConfigIssue("zero_optimization.offload_optimizer.device", (
@@ -50,6 +60,6 @@ def check_muon_layout(optimizer: torch.optim.Optimizer, offload: str, tp_size: i
                if getattr(p, "tensor_model_parallel", False)]
     if tp_size > 1 and sharded:
         raise ConfigError([ConfigIssue("tensor_parallel.size", (
-            f"Muon does not run on tensor-parallel shards in this version, got size {tp_size} with "
-            f"{len(sharded)} sharded matrices: Newton-Schulz needs each matrix whole. Set tensor_parallel.size "
-            "to 1, or use AdamW"))])
+            f"Muon runs on tensor-parallel slices with ZeRO stage 0 only in this version, got size {tp_size} "
+            f"with {len(sharded)} sliced matrices under ZeRO stage {stage}: Newton-Schulz needs each matrix "
+            "whole. Set zero_optimization.stage to 0, tensor_parallel.size to 1, or use AdamW"))])

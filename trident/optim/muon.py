@@ -22,7 +22,9 @@ Per Muon matrix W (n x m, higher-rank tensors viewed as n x prod(rest)), each st
 The three phases (`momentum_update`, `orthogonalize`, `apply_update`) are separate functions
 because only the middle one needs a matrix whole: the distributed step (trident.zero) runs
 the first and last on shards and gathers U to one owner rank for the second. Newton-Schulz
-runs in fp32 here (DeepSpeed uses bf16 on GPUs that have it).
+runs in fp32 here (DeepSpeed uses bf16 on GPUs that have it). A tensor-parallel slice
+(`tp_spec`) is gathered whole over `tp_group`; every tp rank orthogonalizes the same matrix
+and keeps its slice.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import re
 from typing import Callable, Iterable, Literal
 
 import torch
+import torch.distributed as dist
 
+from trident.comm import collectives
 from trident.optim.lamb import run_closure
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -116,6 +120,7 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         weight_decay=weight_decay, adjust_lr=adjust_lr)
         super().__init__(self._split(params), defaults)
+        self.tp_group = None  # the tensor-parallel group, set by the engine when tp > 1
 
     def _split(self, params: Iterable) -> list[dict]:
         params = list(params)
@@ -152,8 +157,32 @@ class Muon(torch.optim.Optimizer):
                 if not state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                 u = momentum_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
-                apply_update(p, orthogonalize(u, tuple(p.shape), group), group)
+                spec = tp_spec(p)
+                if spec is None:
+                    apply_update(p, orthogonalize(u, tuple(p.shape), group), group)
+                    continue
+                whole = self._gather_tp(u, spec)
+                apply_update(p, spec.shard(orthogonalize(whole, tuple(whole.shape), group), self._tp_rank()), group)
         return loss
+
+    def _gather_tp(self, u: torch.Tensor, spec) -> torch.Tensor:
+        """The whole matrix from every tensor-parallel rank's slice (each tp rank then runs
+        Newton-Schulz on the same whole matrix and keeps its own slice of the result)."""
+        if self.tp_group is None:
+            raise ValueError("Muon got a tensor-parallel slice but no tp group: set optimizer.tp_group (the "
+                             "engine does) so each matrix can be gathered whole")
+        shards = [torch.empty_like(u) for _ in range(spec.tp_size)]
+        collectives.all_gather_list(shards, u.contiguous(), group=self.tp_group)
+        return spec.merge(shards)
+
+    def _tp_rank(self) -> int:
+        return dist.get_rank(self.tp_group)
+
+
+def tp_spec(p: torch.Tensor):
+    """The tensor-parallel split of `p` (trident.tensor_parallel's `tp_spec`), None when whole."""
+    spec = getattr(p, "tp_spec", None)
+    return spec if spec is not None and getattr(p, "tensor_model_parallel", False) and spec.tp_size > 1 else None
 
 
 def uses_muon(p: torch.Tensor) -> bool:
