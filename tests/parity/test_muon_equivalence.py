@@ -81,11 +81,12 @@ def test_muon_matches_serial_with_active_clipping(world, stage):
     check(results, ref, world)
 
 
-def test_muon_tp2_gathers_each_slice_whole():
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_muon_tp2_gathers_each_slice_whole(stage):
     """Each matrix split over 2 tensor-parallel ranks (qkv with its fused q/k/v blocks): gathered
-    over tp, orthogonalized whole, each rank keeping its slice."""
+    over tp, orthogonalized whole, each rank keeping its slice; under ZeRO by the matrix's owner."""
     ref = serial_reference(4)
-    check(run_on_ranks(2, train_dp, 4, 0, 2), ref, 1)
+    check(run_on_ranks(2, train_dp, 4, stage, 2), ref, 1)
 
 
 def check(results, ref: SerialRun, dp: int) -> None:

@@ -237,7 +237,7 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
             for group_params in (dense, experts) if group_params]
         muon.carry_flags(master.mapping(), params)
         optimizer = _make_optimizer(optimizer, model_parameters, params, master, cfg)
-        muon.check_muon_layout(optimizer, "none", mesh, 0)
+        muon.check_muon_layout(optimizer, "none", mesh)
         names = {id(p): n for n, p in model.named_parameters()}
         # 1-bit optimizers communicate themselves after warm-up: stage 0 with a switchable all-reduce
         stage0, extra = ((CompressedStrategy, {"logger": comms_logger}) if is_compressed(optimizer)
@@ -247,7 +247,7 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
         return master, strategy, optimizer
     optimizer = _make_optimizer(optimizer, model_parameters, params, None, cfg)
     check_zero_stage(optimizer, zero.stage)
-    muon.check_muon_layout(optimizer, zero.offload_optimizer.device, mesh, zero.stage)
+    muon.check_muon_layout(optimizer, zero.offload_optimizer.device, mesh)
     names = {id(p): n for n, p in model.named_parameters()}
     strategy = ZeroOptimizer(zero.stage, optimizer, names, mesh, zero, dtype, cfg.gradient_predivide_factor,
                              cfg.prescale_gradients, comms_logger, model=model, aio=cfg.aio, frozen=frozen,

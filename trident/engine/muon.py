@@ -7,9 +7,8 @@ engine does) before the optimizer is built, and carries the tags to fp32 master 
 Newton-Schulz needs each matrix whole. Data parallelism (ZeRO stage 0) and pipeline stages
 hold whole matrices, so Muon runs there unchanged; under ZeRO 1-3 trident.zero.muon gathers
 each matrix's momentum-updated gradient, orthogonalizes it on an owner rank and scatters the
-shards back. Tensor-parallel slices are gathered over the tp group (stage 0; Muon.tp_group).
-Offloaded optimizer states and tp slices under ZeRO 1-3 are refused with a clear error until
-the distributed step covers them.
+shards back. Tensor-parallel slices are gathered whole over the tp group as well. Offloaded
+optimizer states are refused with a clear error until the distributed step covers them.
 """
 
 from __future__ import annotations
@@ -42,24 +41,15 @@ def carry_flags(mapping: dict[int, torch.Tensor], params: list[torch.Tensor]) ->
                 setattr(master, attr, getattr(p, attr))
 
 
-def check_muon_layout(optimizer: torch.optim.Optimizer, offload: str, mesh, stage: int) -> None:
-    """A clear error where Muon would see only pieces of its matrices; the tp group for
-    gathering tensor-parallel slices (stage 0) otherwise."""
+def check_muon_layout(optimizer: torch.optim.Optimizer, offload: str, mesh) -> None:
+    """Give Muon the tp group it gathers tensor-parallel slices over; a clear error where it
+    would see only pieces of its matrices."""
     if not isinstance(optimizer, Muon):
         return
-    tp_size = mesh.tp_size
-    if tp_size > 1 and stage == 0:
+    if mesh.tp_size > 1:
         optimizer.tp_group = mesh.tp_group
-        return
     if offload != "none":
         raise ConfigError([ConfigIssue("zero_optimization.offload_optimizer.device", (
             f"Muon does not run with offloaded optimizer states in this version, got {offload!r}: its "
             "distributed step gathers whole matrices on the device. Set offload_optimizer.device to none, "
             "or use AdamW with offload"))])
-    sharded = [p for g in optimizer.param_groups if g["use_muon"] for p in g["params"]
-               if getattr(p, "tensor_model_parallel", False)]
-    if tp_size > 1 and sharded:
-        raise ConfigError([ConfigIssue("tensor_parallel.size", (
-            f"Muon runs on tensor-parallel slices with ZeRO stage 0 only in this version, got size {tp_size} "
-            f"with {len(sharded)} sliced matrices under ZeRO stage {stage}: Newton-Schulz needs each matrix "
-            "whole. Set zero_optimization.stage to 0, tensor_parallel.size to 1, or use AdamW"))])

@@ -161,22 +161,21 @@ class Muon(torch.optim.Optimizer):
                 if spec is None:
                     apply_update(p, orthogonalize(u, tuple(p.shape), group), group)
                     continue
-                whole = self._gather_tp(u, spec)
-                apply_update(p, spec.shard(orthogonalize(whole, tuple(whole.shape), group), self._tp_rank()), group)
+                apply_update(p, orthogonalize_tp_slice(u, spec, self.tp_group, group), group)
         return loss
 
-    def _gather_tp(self, u: torch.Tensor, spec) -> torch.Tensor:
-        """The whole matrix from every tensor-parallel rank's slice (each tp rank then runs
-        Newton-Schulz on the same whole matrix and keeps its own slice of the result)."""
-        if self.tp_group is None:
-            raise ValueError("Muon got a tensor-parallel slice but no tp group: set optimizer.tp_group (the "
-                             "engine does) so each matrix can be gathered whole")
-        shards = [torch.empty_like(u) for _ in range(spec.tp_size)]
-        collectives.all_gather_list(shards, u.contiguous(), group=self.tp_group)
-        return spec.merge(shards)
 
-    def _tp_rank(self) -> int:
-        return dist.get_rank(self.tp_group)
+def orthogonalize_tp_slice(u: torch.Tensor, spec, tp_group, group: dict) -> torch.Tensor:
+    """This rank's slice of the orthogonalized whole matrix, from every tensor-parallel rank's
+    slice `u` (a collective over `tp_group`: each tp rank runs Newton-Schulz on the same whole
+    matrix and keeps its own slice)."""
+    if tp_group is None:
+        raise ValueError("Muon got a tensor-parallel slice but no tp group: set optimizer.tp_group (the "
+                         "engine does) so each matrix can be gathered whole")
+    shards = [torch.empty_like(u) for _ in range(spec.tp_size)]
+    collectives.all_gather_list(shards, u.contiguous(), group=tp_group)
+    whole = spec.merge(shards)
+    return spec.shard(orthogonalize(whole, tuple(whole.shape), group), dist.get_rank(tp_group))
 
 
 def tp_spec(p: torch.Tensor):

@@ -14,6 +14,10 @@ group has `use_muon`:
    the sum is exact), leaving every rank its shard of the update;
 5. decoupled weight decay and the step, elementwise on the shards, as in one process.
 
+A tensor-parallel slice is owned by the same dp rank on every tp rank (their layouts are the
+same), so in step 3 the owners of a matrix's slices gather them over the tp group together,
+and each keeps its slice of the orthogonalized whole.
+
 Traffic per step: one all-gather and one reduce-scatter of each Muon unit in fp32
 (`bytes_per_step`, what each rank sends and receives: 2 * 4 * padded * (world - 1) / world
 bytes per unit with ring collectives).
@@ -26,7 +30,7 @@ from typing import Callable
 import torch
 
 from trident.comm import collectives
-from trident.optim.muon import apply_update, momentum_update, orthogonalize
+from trident.optim.muon import apply_update, momentum_update, orthogonalize, orthogonalize_tp_slice, tp_spec
 
 
 def muon_groups(optimizer: torch.optim.Optimizer, groups: list) -> list:
@@ -58,8 +62,8 @@ def _ns_cost(shape: tuple[int, ...]) -> int:
 class ShardedMuon:
     """Muon's step for the Muon partition groups of one ZeroOptimizer."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: list, logger=None) -> None:
-        self.optimizer, self.groups, self.logger = optimizer, groups, logger
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list, logger=None, tp_group=None) -> None:
+        self.optimizer, self.groups, self.logger, self.tp_group = optimizer, groups, logger, tp_group
         self.owners = assign_owners(groups)
         self.bytes_per_step = sum(2 * 4 * u.padded * (pg.comm.world - 1) // pg.comm.world
                                   for pg in groups for u in pg.layout.units)
@@ -100,9 +104,15 @@ class ShardedMuon:
         collectives.all_gather(whole, u_shard, group=comm.group, logger=self.logger)
         out = torch.zeros_like(whole)
         for slot in unit.slots:
-            if self.owners[(g, slot.index)] == comm.rank:
-                piece = slice(slot.offset, slot.offset + slot.numel)
+            if self.owners[(g, slot.index)] != comm.rank:
+                continue
+            piece = slice(slot.offset, slot.offset + slot.numel)
+            spec = tp_spec(pg.params[slot.index])
+            if spec is None:
                 out[piece] = orthogonalize(whole[piece], slot.shape, group).reshape(-1)
+            else:  # the same owner on every tp rank (same layout): they gather the slices together
+                out[piece] = orthogonalize_tp_slice(whole[piece].view(slot.shape), spec, self.tp_group,
+                                                    group).reshape(-1)
         shard = torch.empty_like(u_shard)
         collectives.reduce_scatter(shard, out, group=comm.group, logger=self.logger)
         return shard

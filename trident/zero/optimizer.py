@@ -162,7 +162,7 @@ class ZeroOptimizer(PartitionCheckpoint, LocalStep):
         if stage == 3:
             self.coordinator = Stage3Coordinator(self, model, uses)
         mine = muon_groups(optimizer, self.trained)  # Newton-Schulz on whole matrices (trident.zero.muon)
-        self.muon = ShardedMuon(optimizer, mine, logger) if mine else None
+        self.muon = ShardedMuon(optimizer, mine, logger, mesh.tp_group if mesh.tp_size > 1 else None) if mine else None
 
     # -- construction ----------------------------------------------------------------------
 
