@@ -111,3 +111,15 @@ def test_bad_muon_params_name_the_key():
         Muon([torch.nn.Parameter(torch.zeros(2, 2))], adjust_lr="rms")
     with pytest.raises(ConfigError, match="optimizer.params.momentum"):
         build_optimizer(OptimizerConfig(type="Muon", params={"momentum": 1.0}), [torch.zeros(2, 2)])
+
+
+def test_deepspeed_set_optimizer_flags_tags_like_deepspeed():
+    import trident
+    model = torch.nn.ModuleDict({"Embed": torch.nn.Embedding(10, 4), "fc": torch.nn.Linear(4, 4),
+                                 "lm_head": torch.nn.Linear(4, 10)})
+    trident.set_optimizer_flags(trident.DeepSpeedConfig({"train_batch_size": 1, "optimizer": {"type": "AdamW"}}),
+                                model)
+    assert not any(hasattr(p, "use_muon") for p in model.parameters())  # not Muon: untouched
+    trident.set_optimizer_flags(trident.DeepSpeedConfig({"train_batch_size": 1, "optimizer": {"type": "Muon"}}),
+                                model)
+    assert {n for n, p in model.named_parameters() if p.use_muon} == {"fc.weight"}

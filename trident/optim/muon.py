@@ -187,7 +187,12 @@ def tp_spec(p: torch.Tensor):
 def uses_muon(p: torch.Tensor) -> bool:
     """The tensor's `use_muon` flag if set, else whether it is a matrix (two or more dimensions)."""
     flag = getattr(p, "use_muon", None)
-    return p.dim() >= 2 if flag is None else bool(flag)
+    return _ndim(p) >= 2 if flag is None else bool(flag)
+
+
+def _ndim(p: torch.Tensor) -> int:
+    """Dimensions of the parameter as its layer has it (zero.Init leaves a flat placeholder)."""
+    return len(getattr(p, "_trident_shape", p.shape))
 
 
 def flag_muon_params(model: torch.nn.Module, exclude: Iterable[str] = DEFAULT_EXCLUDE) -> dict[str, bool]:
@@ -196,6 +201,6 @@ def flag_muon_params(model: torch.nn.Module, exclude: Iterable[str] = DEFAULT_EX
     patterns = [re.compile(e) for e in exclude]
     flags = {}
     for name, p in model.named_parameters():
-        p.use_muon = p.dim() >= 2 and not any(rx.search(name) for rx in patterns)
+        p.use_muon = _ndim(p) >= 2 and not any(rx.search(name) for rx in patterns)
         flags[name] = p.use_muon
     return flags
