@@ -23,6 +23,8 @@ STEPS = 6
 MODEL = dict(vocab_size=61, seq_len=16, n_layer=2, n_head=2, d_model=32, dropout=0.0, bias=False)
 LR = 3e-3
 CLIP = 0.05  # below the gradient norm on every step
+HIDDEN = [f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.proj", "attn.qkv", "mlp.fc", "mlp.proj")]
+"""The matrices Muon steps: not the embeddings (tied to the head) nor the norms."""
 TP_PLAN = {"attn.qkv": "column", "attn.proj": "row", "mlp.fc": "column", "mlp.proj": "row"}
 
 
@@ -38,7 +40,8 @@ def make_tokens(global_batch: int) -> torch.Tensor:
 
 def config(micro: int, stage: int = 0, offload: str = "none") -> dict:
     # small buckets: several units per partition group, matrices split across ranks
-    zero = {"stage": stage, "reduce_bucket_size": 3000, "offload_optimizer": {"device": offload}}
+    # and sub-groups of 1000 elements: a matrix's shard spans several master chunks
+    zero = {"stage": stage, "reduce_bucket_size": 3000, "sub_group_size": 1000, "offload_optimizer": {"device": offload}}
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
             "optimizer": optimizer_section("muon", LR), "gradient_clipping": CLIP,
             "communication_data_type": "fp32", "zero_optimization": zero, "steps_per_print": 0}
@@ -97,8 +100,23 @@ def check(results, ref: SerialRun, dp: int) -> None:
         assert_norms_close(norms, ref.norms, rtol=1e-6)
         assert_state_close(weights, ref.weights, rtol=1e-5)
         # the hidden matrices, not the embeddings (tied to the head) nor the norms
-        assert muon == [f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.proj", "attn.qkv", "mlp.fc",
-                                                                             "mlp.proj")]
+        assert muon == HIDDEN
+
+
+def muon_matrices_under_zero_init():
+    """Built partitioned by zero.Init: the matrix test reads each layer's shape, not its
+    flat placeholder, so Muon still gets the hidden matrices."""
+    mesh = cached_mesh()
+    with trident.zero.Init(mesh=mesh):
+        model = make_model()
+    engine, _, _, _ = trident.initialize(model=model, config=config(4, 3), mesh=mesh)
+    muon = engine.strategy.muon
+    return sorted(n for n, p in engine.module.named_parameters() if p.use_muon), len(muon.owners)
+
+
+def test_zero_init_parameters_keep_their_muon_matrices():
+    for names, owned in run_on_ranks(2, muon_matrices_under_zero_init):
+        assert names == HIDDEN and owned == len(HIDDEN)
 
 
 def start_offloaded():
