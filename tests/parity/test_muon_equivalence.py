@@ -111,12 +111,14 @@ def muon_matrices_under_zero_init():
         model = make_model()
     engine, _, _, _ = trident.initialize(model=model, config=config(4, 3), mesh=mesh)
     muon = engine.strategy.muon
-    return sorted(n for n, p in engine.module.named_parameters() if p.use_muon), len(muon.owners)
+    return sorted(n for n, p in engine.module.named_parameters() if p.use_muon), muon.owners, muon.bytes_per_step
 
 
 def test_zero_init_parameters_keep_their_muon_matrices():
-    for names, owned in run_on_ranks(2, muon_matrices_under_zero_init):
-        assert names == HIDDEN and owned == len(HIDDEN)
+    """...and the owners of the 8 matrices' units are spread evenly over the 2 dp ranks."""
+    for names, owners, moved in run_on_ranks(2, muon_matrices_under_zero_init):
+        assert names == HIDDEN and len(owners) == len(HIDDEN) and sorted(owners.values()) == [0] * 4 + [1] * 4
+        assert moved == 4 * sum(p.numel() for n, p in make_model().named_parameters() if n in HIDDEN)
 
 
 def start_offloaded():

@@ -6,21 +6,21 @@ and reshard it like Adam's moments). Per step and per partition group whose opti
 group has `use_muon`:
 
 1. momentum, elementwise on this rank's shards: U = G + momentum * B (or B);
-2. each unit's U is all-gathered, so every rank sees each of its matrices whole;
-3. each matrix has one *owner* rank (the matrices are dealt largest-cost first to the least
-   loaded rank of the group, cost ~ n * m * min(n, m), the Newton-Schulz flops), which
-   orthogonalizes it and writes the result into a zero buffer of the unit;
-4. the buffers are reduce-scattered (summed: each element has one nonzero contribution, so
-   the sum is exact), leaving every rank its shard of the update;
-5. decoupled weight decay and the step, elementwise on the shards, as in one process.
+2. each unit (a gradient bucket under stages 1-2, a module under stage 3: whole matrices,
+   split evenly over the ranks) has one *owner* rank; the units are dealt largest cost first
+   to the least loaded rank of the group (cost ~ n * m * min(n, m) per matrix, the
+   Newton-Schulz flops). The unit's U shards are gathered to its owner;
+3. the owner orthogonalizes each of the unit's matrices and scatters the shards back;
+4. decoupled weight decay and the step, elementwise on the shards, as in one process.
 
-A tensor-parallel slice is owned by the same dp rank on every tp rank (their layouts are the
-same), so in step 3 the owners of a matrix's slices gather them over the tp group together,
-and each keeps its slice of the orthogonalized whole.
+A tensor-parallel slice's unit is owned by the same dp rank on every tp rank (their layouts
+are the same), so in step 3 those owners gather the slices over the tp group together, and
+each keeps its slice of the orthogonalized whole.
 
-Traffic per step: one all-gather and one reduce-scatter of each Muon unit in fp32
-(`bytes_per_step`, what each rank sends and receives: 2 * 4 * padded * (world - 1) / world
-bytes per unit with ring collectives).
+Traffic per step (`bytes_per_step`): each unit's world - 1 foreign fp32 shards into its owner
+and back, 2 * 4 * shard * (world - 1) bytes per unit over the group, about 8 / world bytes
+per Muon parameter per rank: a world-th of what an all-gather and a reduce-scatter of every
+unit would move.
 """
 
 from __future__ import annotations
@@ -39,15 +39,16 @@ def muon_groups(optimizer: torch.optim.Optimizer, groups: list) -> list:
 
 
 def assign_owners(groups: list) -> dict[tuple[int, int], int]:
-    """(partition group position, parameter index) -> owner rank in that group's dp group."""
+    """(partition group position, unit index) -> owner rank in that group's dp group: units
+    dealt largest Newton-Schulz cost first to the least loaded rank."""
     owners, loads = {}, {}
-    work = [(g, s) for g, pg in enumerate(groups) for u in pg.layout.units for s in u.slots]
-    work.sort(key=lambda gs: -_ns_cost(gs[1].shape))
-    for g, slot in work:
+    work = [(g, u, sum(_ns_cost(s.shape) for s in u.slots)) for g, pg in enumerate(groups) for u in pg.layout.units]
+    work.sort(key=lambda guc: -guc[2])
+    for g, unit, cost in work:
         load = loads.setdefault(groups[g].comm.world, [0] * groups[g].comm.world)
         rank = min(range(len(load)), key=lambda r: load[r])
-        load[rank] += _ns_cost(slot.shape)
-        owners[(g, slot.index)] = rank
+        load[rank] += cost
+        owners[(g, unit.index)] = rank
     return owners
 
 
@@ -65,8 +66,9 @@ class ShardedMuon:
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list, logger=None, tp_group=None) -> None:
         self.optimizer, self.groups, self.logger, self.tp_group = optimizer, groups, logger, tp_group
         self.owners = assign_owners(groups)
-        self.bytes_per_step = sum(2 * 4 * u.padded * (pg.comm.world - 1) // pg.comm.world
-                                  for pg in groups for u in pg.layout.units)
+        self.bytes_per_step = sum(2 * 4 * u.shard * (pg.comm.world - 1) for pg in groups for u in pg.layout.units)
+        """fp32 bytes gathered to and scattered from the owners, over all ranks (each unit's
+        other world - 1 shards, both ways)."""
 
     def owns(self, pg) -> bool:
         return any(pg is g for g in self.groups)
@@ -99,20 +101,26 @@ class ShardedMuon:
             write_shards(pg, 0, len(pg.masters))
 
     def _orthogonalized_shard(self, g: int, pg, unit, u_shard: torch.Tensor, group: dict) -> torch.Tensor:
+        """This rank's shard of the unit's update: the shards gathered to the unit's owner, which
+        orthogonalizes each matrix and scatters the shards back."""
         comm = pg.comm
-        whole = torch.empty(unit.padded, dtype=u_shard.dtype, device=u_shard.device)
-        collectives.all_gather(whole, u_shard, group=comm.group, logger=self.logger)
-        out = torch.zeros_like(whole)
-        for slot in unit.slots:
-            if self.owners[(g, slot.index)] != comm.rank:
-                continue
-            piece = slice(slot.offset, slot.offset + slot.numel)
-            spec = tp_spec(pg.params[slot.index])
-            if spec is None:
-                out[piece] = orthogonalize(whole[piece], slot.shape, group).reshape(-1)
-            else:  # the same owner on every tp rank (same layout): they gather the slices together
-                out[piece] = orthogonalize_tp_slice(whole[piece].view(slot.shape), spec, self.tp_group,
-                                                    group).reshape(-1)
+        owner = self.owners[(g, unit.index)]
+        mine = comm.rank == owner
+        whole = torch.empty(unit.padded, dtype=u_shard.dtype, device=u_shard.device) if mine else None
+        collectives.gather(u_shard, list(whole.split(unit.shard)) if mine else None, owner, group=comm.group,
+                           logger=self.logger)
+        out = None
+        if mine:
+            out = torch.zeros_like(whole)
+            for slot in unit.slots:
+                piece = slice(slot.offset, slot.offset + slot.numel)
+                spec = tp_spec(pg.params[slot.index])
+                if spec is None:
+                    out[piece] = orthogonalize(whole[piece], slot.shape, group).reshape(-1)
+                else:  # the unit's owner is the same dp rank on every tp rank: they gather together
+                    out[piece] = orthogonalize_tp_slice(whole[piece].view(slot.shape), spec, self.tp_group,
+                                                        group).reshape(-1)
         shard = torch.empty_like(u_shard)
-        collectives.reduce_scatter(shard, out, group=comm.group, logger=self.logger)
+        collectives.scatter(shard, list(out.split(unit.shard)) if mine else None, owner, group=comm.group,
+                            logger=self.logger)
         return shard
