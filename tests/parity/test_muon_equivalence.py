@@ -167,3 +167,29 @@ def test_muon_state_resumes_from_a_checkpoint(stage, stage_after, tmp_path):
     ref = serial_reference(8)
     for weights in run_on_ranks(2, train_resumed, str(tmp_path), stage, stage_after):
         assert_state_close(weights, ref.weights, rtol=1e-5)
+
+
+def train_bf16(stage: int):
+    mesh = cached_mesh()
+    engine, _, _, _ = trident.initialize(model=make_model(), config={**config(4, stage), "bf16": {"enabled": True}},
+                                         mesh=mesh)
+    data = make_tokens(4 * mesh.dp_size)
+    losses = []
+    for step in range(STEPS):
+        start = step * 4 * mesh.dp_size + mesh.dp_rank * 4
+        batch = data[start:start + 4]
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+        engine.step()
+        losses.append(engine.last_loss)
+    muon = [p for g in engine.optimizer.param_groups if g["use_muon"] for p in g["params"]]
+    return losses, len(muon), {p.dtype for p in muon}
+
+
+@pytest.mark.parametrize("world,stage", [(1, 0), (2, 2)])
+def test_muon_in_bf16_steps_the_fp32_masters(world, stage):
+    """bf16 weights, fp32 masters: the masters of the hidden matrices carry the Muon tag (stage 0)
+    or sit in Muon's partition groups (ZeRO), and training follows fp32's losses."""
+    ref = serial_reference(4 * world)
+    for losses, count, dtypes in run_on_ranks(world, train_bf16, stage):
+        assert dtypes == {torch.float32} and (count == len(HIDDEN) if stage == 0 else count > 0)
+        assert_losses_close(losses, ref.losses, rtol=2e-2)
