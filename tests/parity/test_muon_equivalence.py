@@ -193,3 +193,27 @@ def test_muon_in_bf16_steps_the_fp32_masters(world, stage):
     for losses, count, dtypes in run_on_ranks(world, train_bf16, stage):
         assert dtypes == {torch.float32} and (count == len(HIDDEN) if stage == 0 else count > 0)
         assert_losses_close(losses, ref.losses, rtol=2e-2)
+
+
+def train_part(root: str, stage: int, micro: int, first: int, last: int):
+    """Steps first..last-1 of a global batch of 8 rows; loads `root` first unless first is 0,
+    saves it afterwards unless last is STEPS."""
+    mesh = cached_mesh()
+    engine, _, _, _ = trident.initialize(model=make_model(), config=config(micro, stage), mesh=mesh)
+    if first:
+        engine.load_checkpoint(root)
+    data = make_tokens(8)
+    for step in range(first, last):
+        batch = data[step * 8 + mesh.dp_rank * micro:][:micro]
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+        engine.step()
+    if last < STEPS:
+        engine.save_checkpoint(root)
+    return {k: v.float() for k, v in full_state_dict(engine).items()}
+
+
+def test_muon_state_reshards_from_two_ranks_to_one(tmp_path):
+    """ZeRO-2 over 2 ranks saves Muon's sharded momentum; one rank under stage 0 resumes from it."""
+    run_on_ranks(2, train_part, str(tmp_path), 2, 4, 0, STEPS // 2)
+    (weights,) = run_on_ranks(1, train_part, str(tmp_path), 0, 8, STEPS // 2, STEPS)
+    assert_state_close(weights, serial_reference(8).weights, rtol=1e-5)
