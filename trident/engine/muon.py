@@ -33,10 +33,11 @@ _CARRIED = ("use_muon", "tensor_model_parallel", "tp_spec")
 
 
 def carry_flags(mapping: dict[int, torch.Tensor], params: list[torch.Tensor]) -> None:
-    """Give each master copy its parameter's `use_muon` tag and tensor-parallel split."""
+    """Give each master copy of a tagged parameter its `use_muon` tag and tensor-parallel split
+    (untagged runs keep their masters as they were)."""
     for p in params:
         master = mapping.get(id(p))
-        if master is not None and master is not p:
+        if master is not None and master is not p and hasattr(p, "use_muon"):
             for attr in (a for a in _CARRIED if hasattr(p, a)):
                 setattr(master, attr, getattr(p, attr))
 
