@@ -44,7 +44,8 @@ def make_tokens(global_batch: int) -> torch.Tensor:
 def config(micro: int, stage: int = 0, offload: str = "none") -> dict:
     # small buckets: several units per partition group, matrices split across ranks
     # and sub-groups of 1000 elements: a matrix's shard spans several master chunks
-    zero = {"stage": stage, "reduce_bucket_size": 3000, "sub_group_size": 1000, "offload_optimizer": {"device": offload}}
+    zero = {"stage": stage, "reduce_bucket_size": 3000, "sub_group_size": 1000,
+            "offload_optimizer": {"device": offload}}
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
             "optimizer": optimizer_section("muon", LR), "gradient_clipping": CLIP,
             "communication_data_type": "fp32", "zero_optimization": zero, "steps_per_print": 0}

@@ -132,4 +132,5 @@ def test_planner_search_keeps_muon_states_on_the_device_and_prices_its_gathers()
                    SearchSpace(micro_batches=(4,), checkpointing=("none",)))
     assert found.ranked and all(c.layout.offload_optimizer == "none" for c in found.ranked + found.too_big)
     zero2 = next(c for c in found.ranked if c.layout.zero_stage == 2 and c.layout.dp == 8)
-    assert {t.what for t in zero2.estimate.traffic} >= {"Muon momenta to their owner ranks", "Muon updates from their owner ranks"}
+    assert {t.what for t in zero2.estimate.traffic} >= {"Muon momenta to their owner ranks",
+                                                        "Muon updates from their owner ranks"}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from trident.config.errors import ConfigError, ConfigIssue
+from trident.monitor.log import logger
 from trident.optim.muon import DEFAULT_EXCLUDE, Muon, flag_muon_params
 
 
@@ -24,9 +25,16 @@ def is_muon_config(cfg) -> bool:
 
 
 def flag_model(cfg, model: torch.nn.Module) -> None:
-    """Tag the model's parameters for a config-built Muon (names decide the exceptions)."""
-    if is_muon_config(cfg):
-        flag_muon_params(model, cfg.optimizer.params.get("exclude", DEFAULT_EXCLUDE))
+    """Tag the model's parameters for a config-built Muon (names decide the exceptions) and
+    say in the start-up log which matrices Muon steps."""
+    if not is_muon_config(cfg):
+        return
+    flags = flag_muon_params(model, cfg.optimizer.params.get("exclude", DEFAULT_EXCLUDE))
+    muon = [n for n, f in flags.items() if f]
+    matrices = [n for n, p in model.named_parameters()
+                if not flags[n] and len(getattr(p, "_trident_shape", p.shape)) >= 2]
+    logger.info("Muon steps %d matrices; AdamW steps the other %d parameters (matrices among them: %s)",
+                len(muon), len(flags) - len(muon), ", ".join(matrices) or "none")
 
 
 _CARRIED = ("use_muon", "tensor_model_parallel", "tp_spec")
