@@ -37,7 +37,7 @@ from trident.deepspeed.package import (  # noqa: F401  (deepspeed.engine.surface
     DeepSpeedSchedulerCallable, OnDevice, PipelineEngine, PipelineModule, __git_branch__, __git_hash__,
     __version_major__, __version_minor__, __version_patch__, accelerator, add_tuning_arguments, get_accelerator,
     git_branch, git_hash, install_as_deepspeed, is_compile_supported, load_ds_config, log_dist, logger, runtime,
-    version)
+    set_optimizer_flags, version)
 from trident.deepspeed.package import missing as _missing
 
 dist = comm  # DeepSpeed's `deepspeed.dist`: its comm module once initialize ran

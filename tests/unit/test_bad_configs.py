@@ -59,8 +59,8 @@ CASES = [
     ("unknown optimizer type", {"optimizer": {"type": "AdamX", "params": {}}}, None,
      "optimizer.type: unknown optimizer type 'AdamX'; did you mean 'Adam'? Allowed optimizer types: Adam, AdamW, "
      "SGD, Adagrad, Lion"),
-    ("DeepSpeed-only optimizer", {"optimizer": {"type": "Muon"}}, None,
-     "optimizer.type: 'Muon' is a DeepSpeed optimizer that this version of trident does not implement"),
+    ("DeepSpeed-only optimizer", {"optimizer": {"type": "MuAdam"}}, None,
+     "optimizer.type: 'MuAdam' is a DeepSpeed optimizer that this version of trident does not implement"),
     ("unknown optimizer param", {"optimizer": {"type": "AdamW", "params": {"weight_decy": 0.1}}}, None,
      "optimizer.params.weight_decy: unknown key; did you mean 'weight_decay'?"),
     ("bad lr", {"optimizer": {"type": "SGD", "params": {"lr": -1}}}, None,

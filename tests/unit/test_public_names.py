@@ -67,7 +67,7 @@ PUBLIC: dict[str, str] = {
     "trident.ops": "adam",
     "trident.ops.adam": "DeepSpeedCPUAdam FusedAdam",
     "trident.optim": (
-        "CPUAdam LRRangeTest LRSchedule Lion OneCycle WarmupCosineLR WarmupDecayLR WarmupLR "
+        "CPUAdam LRRangeTest LRSchedule Lion Muon OneCycle WarmupCosineLR WarmupDecayLR WarmupLR "
         "build_optimizer build_scheduler check_optimizer check_scheduler resolve_optimizer_config "
         "resolve_scheduler_config"),
     "trident.parallel": "AXES AXIS_ORDER Coord DENSE_GRADIENT_AXES EXPERT_GRADIENT_AXES ParallelMesh Topology topology",

@@ -90,7 +90,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="sequences per optimizer step (default: about 1M tokens, a multiple of --gpus)")
     p.add_argument("--config", default=None, help="a trident/DeepSpeed JSON config: report its layout")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 (or the config's)")
-    p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, lion or adagrad (default adam)")
+    p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, lion, adagrad or muon (default adam)")
     p.add_argument("--attention", choices=("flash", "eager"), default=None,
                    help="attention kernel: flash (fused, no s x s scores kept or moved) or eager (unfused softmax, "
                         "as Megatron-LM 2021 and many older runs); default: a model config's attn_implementation, "

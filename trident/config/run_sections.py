@@ -42,9 +42,9 @@ class OptimizerConfig(Section):
     """The optimizer built when `trident.initialize` gets no `optimizer=`."""
 
     type: str = Field(json_schema_extra={"expects": "an optimizer name: Adam, AdamW, SGD, Adagrad, Lion, Lamb, "
-                                                    "OneBitAdam, ZeroOneAdam or OneBitLamb"},
+                                                    "OneBitAdam, ZeroOneAdam, OneBitLamb or Muon"},
                       description=("Optimizer name, case-insensitive: Adam, AdamW, SGD, Adagrad, Lion, Lamb, or the "
-                                   "1-bit OneBitAdam, ZeroOneAdam, OneBitLamb (ZeRO stage 0 only)."))
+                                   "1-bit OneBitAdam, ZeroOneAdam, OneBitLamb (ZeRO stage 0 only), or Muon (AdamW for non-matrices)."))
     params: dict[str, Any] = Field(default_factory=dict, description=(
         "Keyword arguments of the optimizer (DeepSpeed's names: lr, betas, eps, weight_decay, ...)."))
 

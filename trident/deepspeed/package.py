@@ -25,6 +25,7 @@ from trident.deepspeed.runtime.lr_schedules import add_tuning_arguments
 from trident.deepspeed.runtime.pipe.engine import PipelineEngine
 from trident.deepspeed.engine.surface import unsupported
 from trident.deepspeed.utils.logging import OnDevice, log_dist, logger
+from trident.optim.muon import flag_muon_params
 from trident.version import __version__
 
 DEEPSPEED_VERSION = "0.19.6"
@@ -52,6 +53,15 @@ def load_ds_config(config: str | dict) -> dict:
     """A DeepSpeed config file read as JSON (a dict is returned as it is), as DeepSpeed's `load_ds_config`."""
     from trident.config.loader import read_json
     return config if isinstance(config, dict) else read_json(config)
+
+
+def set_optimizer_flags(config_class, model: torch.nn.Module) -> None:
+    """DeepSpeed's tagging of the parameters Muon steps (`use_muon`) when the config's optimizer
+    is Muon: matrices whose names hold neither "embed" nor "lm_head" (any case). A config-built
+    Muon is tagged by trident.initialize itself, by `optimizer.params.exclude`."""
+    optimizer = getattr(config_class, "optimizer", None)
+    if optimizer is not None and optimizer.type.lower() == MUON_OPTIMIZER:
+        flag_muon_params(model, ("(?i)embed", "(?i)lm_head"))
 
 
 def missing(name: str):

@@ -38,6 +38,7 @@ from trident.engine.assembly import attach_data_and_resume, cast_to_compute_dtyp
 from trident.engine.compile import apply_compile, compile_scope
 from trident.engine.engine import Engine
 from trident.engine.flops import attach_flops_profiler
+import trident.engine.muon as muon
 from trident.engine.param_groups import RequestedGroups, map_client_optimizer, record_deepspeed_arguments
 from trident.engine.pipeline_engine import build_pipeline_engine
 from trident.engine.host_allocator import tune_glibc_malloc
@@ -220,6 +221,8 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
     Returns (masters or None, the engine's gradient/step strategy, the optimizer)."""
     zero = cfg.zero_optimization
     frozen = [p for p in model.parameters() if not p.requires_grad]
+    if optimizer is None:
+        muon.flag_model(cfg, model)
     if zero.stage == 0:
         dense = [p for p in params if not is_expert(p)]
         experts = [p for p in params if is_expert(p)]
@@ -232,7 +235,9 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
             average_over=mesh.topology.size(DENSE_GRADIENT_AXES),
             comm_dtype=communication_dtype(cfg.communication_data_type, dtype))
             for group_params in (dense, experts) if group_params]
+        muon.carry_flags(master.mapping(), params)
         optimizer = _make_optimizer(optimizer, model_parameters, params, master, cfg)
+        muon.check_muon_layout(optimizer, "none", mesh)
         names = {id(p): n for n, p in model.named_parameters()}
         # 1-bit optimizers communicate themselves after warm-up: stage 0 with a switchable all-reduce
         stage0, extra = ((CompressedStrategy, {"logger": comms_logger}) if is_compressed(optimizer)
@@ -242,6 +247,7 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
         return master, strategy, optimizer
     optimizer = _make_optimizer(optimizer, model_parameters, params, None, cfg)
     check_zero_stage(optimizer, zero.stage)
+    muon.check_muon_layout(optimizer, zero.offload_optimizer.device, mesh)
     names = {id(p): n for n, p in model.named_parameters()}
     strategy = ZeroOptimizer(zero.stage, optimizer, names, mesh, zero, dtype, cfg.gradient_predivide_factor,
                              cfg.prescale_gradients, comms_logger, model=model, aio=cfg.aio, frozen=frozen,

@@ -2,7 +2,8 @@
 
 Types are case-insensitive, as in DeepSpeed: Adam, AdamW, SGD, Adagrad, Lion, Lamb, and the 1-bit
 optimizers OneBitAdam, ZeroOneAdam and OneBitLamb (trident.optim.onebit_adam, .zero_one_adam,
-.onebit_lamb: they communicate themselves, through trident.compression). Two DeepSpeed facts
+.onebit_lamb: they communicate themselves, through trident.compression), and Muon
+(trident.optim.muon: AdamW inside for the non-matrices). Two DeepSpeed facts
 worth knowing:
 
 * `Adam` means Adam with *decoupled* weight decay (AdamW) unless `adam_w_mode` is false, because
@@ -20,6 +21,7 @@ its short reference form.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Iterable, Literal
 
@@ -32,6 +34,7 @@ from trident.config.loader import register_section_rules, validate_section
 from trident.config.schema import OptimizerConfig, Section
 from trident.optim.compressed import COMM_BACKENDS
 from trident.optim.lamb import Lamb, run_closure
+from trident.optim.muon import ADJUST_LR, DEFAULT_EXCLUDE, Muon
 from trident.optim.onebit_adam import OneBitAdam
 from trident.optim.onebit_lamb import OneBitLamb
 from trident.optim.zero_one_adam import ZeroOneAdam
@@ -224,6 +227,37 @@ class OneBitLambParams(_OneBitCommon, _CoeffBounds):
     factor_threshold: float = Field(0.1, ge=0, description="Largest relative change of the factor from one step to the next.")
 
 
+def _check_regexes(value: Any) -> list[str]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise rule_error(f"expected a list of regular expressions (strings), got {describe_value(value)}")
+    for v in value:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise rule_error(f"{v!r} is not a valid regular expression ({e})") from None
+    return list(value)
+
+
+class MuonParams(Section):
+    """`params` of Muon (trident.optim.muon): Muon for hidden matrices, AdamW (`adam_*`) for the rest."""
+
+    lr: float = Field(1e-3, ge=0, description="Muon's learning rate (scaled per matrix by adjust_lr).")
+    momentum: float = Field(0.95, ge=0, lt=1, description="Momentum of the matrices' gradient average.")
+    nesterov: bool = Field(True, description="Orthogonalize g + momentum * buffer instead of the buffer.")
+    ns_steps: int = Field(5, ge=1, description="Newton-Schulz iterations per orthogonalization.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay of the Muon matrices.")
+    adjust_lr: Literal[ADJUST_LR] = Field("match_rms_adamw", description=(
+        "Per-matrix lr factor: match_rms_adamw = 0.2 * sqrt(max(n, m)) (Moonlight: AdamW's lr carries over), "
+        "spectral = sqrt(max(1, n / m)) (Keller Jordan's)."))
+    adam_lr: float | None = Field(None, ge=0, description="AdamW's lr for the other parameters; null = lr.")
+    adam_betas: Betas = Field((0.9, 0.95), description="AdamW's betas for the other parameters.")
+    adam_eps: float = Field(1e-8, ge=0, description="AdamW's eps for the other parameters.")
+    adam_weight_decay: float | None = Field(None, ge=0, description="AdamW's weight decay; null = weight_decay.")
+    exclude: Annotated[Any, AfterValidator(_check_regexes)] = Field(list(DEFAULT_EXCLUDE), description=(
+        "Parameter-name regexes whose matrices AdamW steps instead (embeddings, the head, norms by default); "
+        "every non-matrix is AdamW's anyway."))
+
+
 @dataclass(frozen=True)
 class _Kind:
     name: str
@@ -256,10 +290,11 @@ OPTIMIZERS: dict[str, _Kind] = {k.name.lower(): k for k in (
     _Kind("OneBitAdam", OneBitAdamParams, lambda params, p, impl: OneBitAdam(params, **p.model_dump())),
     _Kind("ZeroOneAdam", ZeroOneAdamParams, lambda params, p, impl: ZeroOneAdam(params, **p.model_dump())),
     _Kind("OneBitLamb", OneBitLambParams, lambda params, p, impl: OneBitLamb(params, **p.model_dump())),
+    _Kind("Muon", MuonParams, lambda params, p, impl: Muon(params, **p.model_dump(exclude={"exclude"}))),
 )}
 """Lower-case type name -> how to check its params and build it."""
 
-_DEEPSPEED_ONLY = ("MuAdam", "MuAdamW", "MuSGD", "Muon")
+_DEEPSPEED_ONLY = ("MuAdam", "MuAdamW", "MuSGD")
 
 
 def check_optimizer(type: str, params: dict) -> list[ConfigIssue]:

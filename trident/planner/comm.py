@@ -402,10 +402,37 @@ def context_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workloa
     return out
 
 
+def muon_traffic(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster) -> list[Traffic]:
+    """Muon's whole-matrix gathers (trident.zero.muon, trident.optim.muon), in fp32, once per step.
+
+    Under ZeRO 1-3 each rank owns a dp-th of its stage's matrices (M elements of the blocks on
+    this rank: its stage's layers / tp; norm gains and biases, < 1%, are counted in): it gathers
+    their other shards and scatters the updates back, each like an all-gather of 4 M / dp
+    bytes. Tensor-parallel slices are then gathered whole over tp by their owner (stage 0:
+    every rank gathers all of its slices)."""
+    if workload.optimizer.lower() != "muon":
+        return []
+    matrices = stage_layers(model, layout.pp) * model.layer_parameters() / layout.tp
+    dp = group_span("dp", layout, cluster.gpus_per_node)
+    owned = 4 * matrices / (dp.size if layout.zero_stage else 1)
+    out = []
+    if layout.zero_stage and dp.size > 1:
+        one = collective_time("all_gather", owned, dp, cluster)
+        out += [Traffic("dp", "gather", "Muon momenta to their owner ranks", owned, 1, one, False),
+                Traffic("dp", "scatter", "Muon updates from their owner ranks", owned, 1, one, False)]
+    tp = group_span("tp", layout, cluster.gpus_per_node)
+    if tp.size > 1:
+        whole = owned * tp.size
+        out.append(Traffic("tp", "all_gather", "Muon matrices whole", whole, 1,
+                           collective_time("all_gather", whole, tp, cluster), False))
+    return out
+
+
 def step_traffic(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster,
                  state: StateBytes) -> list[Traffic]:
     """Every collective one rank takes part in per optimizer step."""
     return (data_parallel_traffic(model, layout, workload, cluster, state)
+            + muon_traffic(model, layout, workload, cluster)
             + tensor_parallel_traffic(model, layout, workload, cluster)
             + expert_parallel_traffic(model, layout, workload, cluster)
             + context_parallel_traffic(model, layout, workload, cluster)

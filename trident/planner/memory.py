@@ -34,8 +34,9 @@ from trident.planner.layout import (DEFAULT_LORA_TARGETS, Layout, Workload, atte
 from trident.planner.presets import Cluster, ModelSpec
 from trident.planner.zero3_modules import zero3_kept_for_backward, zero3_layer_modules, zero3_module_elements
 
-OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lion": 4, "adagrad": 4, "sgd": 4, "sgd-nomomentum": 0}
-"""fp32 optimizer state per parameter: Adam's two moments, one momentum/sum for the others."""
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lion": 4, "adagrad": 4, "sgd": 4, "sgd-nomomentum": 0, "muon": 4}
+"""fp32 optimizer state per parameter: Adam's two moments, one momentum/sum for the others (Muon:
+its matrices' momentum; the AdamW it runs for embeddings, norms and biases is not counted)."""
 
 FRAGMENTATION = 0.10
 """Margin on transient allocations (activations, buffers) for the caching allocator's fragmentation."""

@@ -13,6 +13,8 @@ from typing import Any, Callable, Container, Iterable, Mapping, Sequence
 
 import torch
 
+from trident.optim.muon import Muon, flag_muon_params
+
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
@@ -58,10 +60,12 @@ def assert_state_close(actual: Mapping[str, torch.Tensor], expected: Mapping[str
 
 # -- the serial reference ------------------------------------------------------------------------
 
-PARITY_OPTIMIZERS = ("adamw", "sgd")
+PARITY_OPTIMIZERS = ("adamw", "sgd", "muon")
 """Parity runs train with AdamW and with SGD + momentum. Adam is blind to a uniform scale of the
 gradient (up to eps), so a wrong norm, loss-scale or averaging factor passes an Adam-only test;
-SGD with clipping that is active on every step turns any such error into a different update."""
+SGD with clipping that is active on every step turns any such error into a different update.
+Muon (AdamW for non-matrices) is not scale-invariant either: its Newton-Schulz step divides by
+the Frobenius norm, but its momentum sums scaled gradients of different steps."""
 
 SGD_MOMENTUM = 0.9
 ADAMW_WEIGHT_DECAY = 0.01
@@ -76,6 +80,8 @@ def optimizer_section(kind: str, lr: float, eps: float | None = None) -> dict:
         return {"type": "AdamW", "params": params}
     if kind == "sgd":
         return {"type": "SGD", "params": {"lr": lr, "momentum": SGD_MOMENTUM}}
+    if kind == "muon":
+        return {"type": "Muon", "params": {"lr": lr, "weight_decay": ADAMW_WEIGHT_DECAY}}
     raise ValueError(f"parity optimizer {kind!r}: expected one of {PARITY_OPTIMIZERS}")
 
 
@@ -102,6 +108,8 @@ def torch_optimizer(kind: str, params, lr: float, eps: float | None = None) -> t
         return torch.optim.AdamW(params, lr=lr, weight_decay=ADAMW_WEIGHT_DECAY, eps=1e-8 if eps is None else eps)
     if kind == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM)
+    if kind == "muon":
+        return Muon(params, lr=lr, weight_decay=ADAMW_WEIGHT_DECAY)
     raise ValueError(f"parity optimizer {kind!r}: expected one of {PARITY_OPTIMIZERS}")
 
 
@@ -124,6 +132,8 @@ def train_serial(model: torch.nn.Module, batches: Iterable[tuple], optimizer: st
 
     The steps (0-based) in `skip` only record their loss, as an fp16 run skips a step whose
     gradient overflowed: no update, no schedule step; their norm is NaN."""
+    if optimizer == "muon":
+        flag_muon_params(model)  # what the engine does for a config-built Muon
     opt = torch_optimizer(optimizer, model.parameters(), lr, eps)
     sched = schedule(opt) if schedule is not None else None
     run = SerialRun()

@@ -49,6 +49,7 @@ from trident.zero.offload import make_param_store, make_placement
 from trident.zero.stage3 import Stage3Coordinator
 from trident.zero.units import build_partition, module_units
 from trident.zero.state import PartitionCheckpoint
+from trident.zero.muon import ShardedMuon, muon_groups
 import trident.zero.zeropp as zeropp
 
 
@@ -160,6 +161,8 @@ class ZeroOptimizer(PartitionCheckpoint, LocalStep):
                         delattr(p, attr)  # zero.Init's shards now live in the partition
         if stage == 3:
             self.coordinator = Stage3Coordinator(self, model, uses)
+        mine = muon_groups(optimizer, self.trained)  # Newton-Schulz on whole matrices (trident.zero.muon)
+        self.muon = ShardedMuon(optimizer, mine, logger, mesh.tp_group if mesh.tp_size > 1 else None) if mine else None
 
     # -- construction ----------------------------------------------------------------------
 
@@ -324,6 +327,8 @@ class ZeroOptimizer(PartitionCheckpoint, LocalStep):
         """Step the partitions sub-group by sub-group, with gradients multiplied by `grad_coef`
         (1 / loss scale, times the clipping factor), then bring the parameters up to date."""
         for s, (pg, k, j) in enumerate(self.sub_groups):
+            if self.muon is not None and self.muon.owns(pg):
+                continue
             self.placement.fetch(s)
             self.placement.prefetch(s + 1)
             masters = pg.masters[k:j]
@@ -334,6 +339,8 @@ class ZeroOptimizer(PartitionCheckpoint, LocalStep):
                 m.grad = None
             self._write_shards(pg, k, j, s)
             self.placement.evict(s)
+        if self.muon is not None:
+            self.muon.step(self.sub_groups, self._chunk_grads, self.placement.step_grads, grad_coef, self._write_shards)
         self._finish_update()
 
     def _chunk_grads(self, s: int) -> list[torch.Tensor]:

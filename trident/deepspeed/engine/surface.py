@@ -201,7 +201,6 @@ PACKAGE_UNSUPPORTED: dict[str, str] = {
     "DeepSpeedTransformerConfig": "DeepSpeed's fused CUDA transformer kernel; use the model's own layers",
     "DeepSpeedHybridEngine": "DeepSpeed's RLHF hybrid engine, which trident does not implement",
     "domino": "DeepSpeed's Domino tensor-parallel overlap, which trident does not implement",
-    "set_optimizer_flags": "DeepSpeed's Muon parameter flags; trident has no Muon optimizer",
 }
 
 DIFFERENT: dict[str, str] = {

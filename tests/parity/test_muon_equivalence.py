@@ -1,0 +1,220 @@
+"""Muon under trident trains to the same losses and weights as one plain-PyTorch process running
+trident.optim.Muon (fp32, rtol 1e-5), with gradient clipping active on every step: data
+parallelism (ZeRO stage 0) holds whole matrices, so Newton-Schulz sees what one process sees;
+under ZeRO 1-3 (trident.zero.muon) each matrix is gathered to an owner rank and its shards
+scattered back. Offloaded optimizer states are refused until that step covers them."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import trident
+from trident.engine.full_state import full_state_dict
+from trident.models.gpt import GPT, GPTConfig
+from trident.planner import Layout, Workload, make_cluster
+from trident.planner.comm import muon_traffic
+from trident.planner.presets import model_from_gpt_config
+from trident.tensor_parallel import parallelize
+from trident.testing.distributed import cached_mesh, run_on_ranks
+from trident.testing.parity import (SerialRun, assert_losses_close, assert_norms_close, assert_state_close,
+                                    optimizer_section, train_serial)
+
+STEPS = 6
+MODEL = dict(vocab_size=61, seq_len=16, n_layer=2, n_head=2, d_model=32, dropout=0.0, bias=False)
+LR = 3e-3
+CLIP = 0.05  # below the gradient norm on every step
+HIDDEN = [f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.proj", "attn.qkv", "mlp.fc", "mlp.proj")]
+"""The matrices Muon steps: not the embeddings (tied to the head) nor the norms."""
+TP_PLAN = {"attn.qkv": "column", "attn.proj": "row", "mlp.fc": "column", "mlp.proj": "row"}
+
+
+def make_model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**MODEL))
+
+
+def make_tokens(global_batch: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, MODEL["vocab_size"], (STEPS * global_batch, MODEL["seq_len"] + 1), generator=g)
+
+
+def config(micro: int, stage: int = 0, offload: str = "none") -> dict:
+    # small buckets: several units per partition group, matrices split across ranks
+    # and sub-groups of 1000 elements: a matrix's shard spans several master chunks
+    zero = {"stage": stage, "reduce_bucket_size": 3000, "sub_group_size": 1000,
+            "offload_optimizer": {"device": offload}}
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+            "optimizer": optimizer_section("muon", LR), "gradient_clipping": CLIP,
+            "communication_data_type": "fp32", "zero_optimization": zero, "steps_per_print": 0}
+
+
+@functools.lru_cache(maxsize=None)
+def serial_reference(global_batch: int) -> SerialRun:
+    data = make_tokens(global_batch)
+    return train_serial(make_model(), [(b[:, :-1], b[:, 1:]) for b in data.split(global_batch)], "muon", LR, CLIP)
+
+
+def train_dp(micro: int, stage: int = 0, tp: int = 1):
+    mesh = cached_mesh(tp=tp)
+    model = make_model()
+    if tp > 1:
+        parallelize(model, TP_PLAN, mesh)  # slices the full weights: qkv, fc by rows, proj by columns
+    engine, _, _, _ = trident.initialize(model=model, config={**config(micro, stage), "tensor_parallel": {"size": tp}},
+                                         mesh=mesh)
+    global_batch = micro * mesh.dp_size
+    data = make_tokens(global_batch)
+    assert mesh.tp_size == tp
+    losses, norms = [], []
+    for step in range(STEPS):
+        start = step * global_batch + mesh.dp_rank * micro
+        batch = data[start:start + micro]
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+        engine.step()
+        losses.append(engine.last_loss)
+        norms.append(engine.get_global_grad_norm())
+    muon = sorted(n for n, p in engine.module.named_parameters() if p.use_muon)
+    weights = {k: v.float() for k, v in full_state_dict(engine).items()}
+    return losses, weights, norms, muon
+
+
+@pytest.mark.parametrize("world,stage", [(1, 0), (2, 0), (2, 1), (2, 2), (2, 3)])
+def test_muon_matches_serial_with_active_clipping(world, stage):
+    ref = serial_reference(4 * world)
+    assert max(ref.clip_coefs) < 1.0, f"clipping inactive on some step: {ref.clip_coefs}"
+    results = run_on_ranks(world, train_dp, 4, stage)
+    check(results, ref, world)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_muon_tp2_gathers_each_slice_whole(stage):
+    """Each matrix split over 2 tensor-parallel ranks (qkv with its fused q/k/v blocks): gathered
+    over tp, orthogonalized whole, each rank keeping its slice; under ZeRO by the matrix's owner."""
+    ref = serial_reference(4)
+    check(run_on_ranks(2, train_dp, 4, stage, 2), ref, 1)
+
+
+def check(results, ref: SerialRun, dp: int) -> None:
+    """Losses, every rank's gradient norms and whole weights against one process."""
+    per_step = [sum(step) / len(step) for step in zip(*[r[0] for r in results])]
+    assert_losses_close(per_step, ref.losses, rtol=1e-5)
+    for _, weights, norms, muon in results:
+        assert_norms_close(norms, ref.norms, rtol=1e-6)
+        assert_state_close(weights, ref.weights, rtol=1e-5)
+        # the hidden matrices, not the embeddings (tied to the head) nor the norms
+        assert muon == HIDDEN
+
+
+def muon_matrices_under_zero_init():
+    """Built partitioned by zero.Init: the matrix test reads each layer's shape, not its
+    flat placeholder, so Muon still gets the hidden matrices."""
+    mesh = cached_mesh()
+    with trident.zero.Init(mesh=mesh):
+        model = make_model()
+    engine, _, _, _ = trident.initialize(model=model, config=config(4, 3), mesh=mesh)
+    muon = engine.strategy.muon
+    return sorted(n for n, p in engine.module.named_parameters() if p.use_muon), muon.owners, muon.bytes_per_step
+
+
+def test_zero_init_parameters_keep_their_muon_matrices():
+    """...and the owners of the 8 matrices' units are spread evenly over the 2 dp ranks; the bytes
+    gathered to them and scattered back are the planner's figure (its blocks count the norm gains
+    too: 0.5% here)."""
+    for names, owners, moved in run_on_ranks(2, muon_matrices_under_zero_init):
+        assert names == HIDDEN and len(owners) == len(HIDDEN) and sorted(owners.values()) == [0] * 4 + [1] * 4
+        assert moved == 4 * sum(p.numel() for n, p in make_model().named_parameters() if n in HIDDEN)
+    spec = model_from_gpt_config(GPTConfig(**MODEL), "parity")
+    traffic = muon_traffic(spec, Layout(dp=2, zero_stage=3), Workload(16, 8, optimizer="muon"),
+                           make_cluster("a100-80gb", 2, 8))
+    assert [t.op for t in traffic] == ["gather", "scatter"]
+    wire = sum(t.bytes_per_step * 2 * (2 - 1) / 2 for t in traffic)  # every rank: (n - 1) / n of S
+    assert wire == pytest.approx(moved, rel=0.01)
+
+
+def start_offloaded():
+    trident.initialize(model=make_model(), config=config(4, stage=2, offload="cpu"), mesh=cached_mesh())
+
+
+def test_muon_with_offloaded_states_is_refused_with_the_key_named():
+    with pytest.raises(Exception, match="zero_optimization.offload_optimizer.device: Muon does not run with "
+                                        "offloaded optimizer states"):
+        run_on_ranks(1, start_offloaded)
+
+
+def train_resumed(root: str, stage: int, stage_after: int):
+    """STEPS // 2 steps, a checkpoint, a fresh engine (maybe another ZeRO stage) loads it and
+    trains the rest: Muon's momentum must come back exactly."""
+    mesh = cached_mesh()
+    data = make_tokens(4 * mesh.dp_size)
+    engine = None
+    for first, last, st in ((0, STEPS // 2, stage), (STEPS // 2, STEPS, stage_after)):
+        if engine is not None:
+            engine.save_checkpoint(root)
+        engine, _, _, _ = trident.initialize(model=make_model(), config=config(4, st), mesh=mesh)
+        if first:
+            engine.load_checkpoint(root)
+        for step in range(first, last):
+            start = step * 4 * mesh.dp_size + mesh.dp_rank * 4
+            batch = data[start:start + 4]
+            engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+            engine.step()
+    return {k: v.float() for k, v in full_state_dict(engine).items()}
+
+
+@pytest.mark.parametrize("stage,stage_after", [(2, 2), (1, 3)])
+def test_muon_state_resumes_from_a_checkpoint(stage, stage_after, tmp_path):
+    ref = serial_reference(8)
+    for weights in run_on_ranks(2, train_resumed, str(tmp_path), stage, stage_after):
+        assert_state_close(weights, ref.weights, rtol=1e-5)
+
+
+def train_bf16(stage: int):
+    mesh = cached_mesh()
+    engine, _, _, _ = trident.initialize(model=make_model(), config={**config(4, stage), "bf16": {"enabled": True}},
+                                         mesh=mesh)
+    data = make_tokens(4 * mesh.dp_size)
+    losses = []
+    for step in range(STEPS):
+        start = step * 4 * mesh.dp_size + mesh.dp_rank * 4
+        batch = data[start:start + 4]
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+        engine.step()
+        losses.append(engine.last_loss)
+    muon = [p for g in engine.optimizer.param_groups if g["use_muon"] for p in g["params"]]
+    return losses, len(muon), {p.dtype for p in muon}
+
+
+@pytest.mark.parametrize("world,stage", [(1, 0), (2, 2)])
+def test_muon_in_bf16_steps_the_fp32_masters(world, stage):
+    """bf16 weights, fp32 masters: the masters of the hidden matrices carry the Muon tag (stage 0)
+    or sit in Muon's partition groups (ZeRO), and training follows fp32's losses."""
+    ref = serial_reference(4 * world)
+    for losses, count, dtypes in run_on_ranks(world, train_bf16, stage):
+        assert dtypes == {torch.float32} and (count == len(HIDDEN) if stage == 0 else count > 0)
+        assert_losses_close(losses, ref.losses, rtol=2e-2)
+
+
+def train_part(root: str, stage: int, micro: int, first: int, last: int):
+    """Steps first..last-1 of a global batch of 8 rows; loads `root` first unless first is 0,
+    saves it afterwards unless last is STEPS."""
+    mesh = cached_mesh()
+    engine, _, _, _ = trident.initialize(model=make_model(), config=config(micro, stage), mesh=mesh)
+    if first:
+        engine.load_checkpoint(root)
+    data = make_tokens(8)
+    for step in range(first, last):
+        batch = data[step * 8 + mesh.dp_rank * micro:][:micro]
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+        engine.step()
+    if last < STEPS:
+        engine.save_checkpoint(root)
+    return {k: v.float() for k, v in full_state_dict(engine).items()}
+
+
+def test_muon_state_reshards_from_two_ranks_to_one(tmp_path):
+    """ZeRO-2 over 2 ranks saves Muon's sharded momentum; one rank under stage 0 resumes from it."""
+    run_on_ranks(2, train_part, str(tmp_path), 2, 4, 0, STEPS // 2)
+    (weights,) = run_on_ranks(1, train_part, str(tmp_path), 0, 8, STEPS // 2, STEPS)
+    assert_state_close(weights, serial_reference(8).weights, rtol=1e-5)

@@ -1,0 +1,136 @@
+"""Muon (trident.optim.muon) against a reference written here from the published algorithm
+(Moonlight's Newton-Schulz quintic, lr adjustments and AdamW for the rest), and its config path."""
+
+import math
+
+import pytest
+import torch
+
+from trident.config import ConfigError, OptimizerConfig
+from trident.optim import Muon, build_optimizer, check_optimizer, resolve_optimizer_config
+from trident.optim.muon import flag_muon_params
+
+
+def reference_ns(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """Moonlight's zeropower_via_newtonschulz5, written out."""
+    x = g.clone().double().float()
+    if g.shape[0] > g.shape[1]:
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        a_mat = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a_mat + 2.0315 * a_mat @ a_mat) @ x
+    return x.T if g.shape[0] > g.shape[1] else x
+
+
+def reference_steps(weights, grads_per_step, lr, momentum, nesterov, ns_steps, wd, adjust, adam_lr, betas, eps):
+    """Run the published update by hand; `weights`: name -> tensor (matrices get Muon, vectors AdamW)."""
+    w = {k: v.clone() for k, v in weights.items()}
+    buf = {k: torch.zeros_like(v) for k, v in w.items()}
+    m = {k: torch.zeros_like(v) for k, v in w.items()}
+    v2 = {k: torch.zeros_like(v) for k, v in w.items()}
+    for t, grads in enumerate(grads_per_step, start=1):
+        for k, g in grads.items():
+            if w[k].dim() == 2:
+                buf[k] = momentum * buf[k] + g
+                u = g + momentum * buf[k] if nesterov else buf[k]
+                o = reference_ns(u, ns_steps)
+                rows, cols = w[k].shape
+                ratio = 0.2 * math.sqrt(max(rows, cols)) if adjust == "match_rms_adamw" else \
+                    math.sqrt(max(1.0, rows / cols))
+                w[k] = w[k] * (1 - lr * wd) - lr * ratio * o
+            else:
+                m[k] = betas[0] * m[k] + (1 - betas[0]) * g
+                v2[k] = betas[1] * v2[k] + (1 - betas[1]) * g * g
+                mhat, vhat = m[k] / (1 - betas[0] ** t), v2[k] / (1 - betas[1] ** t)
+                w[k] = w[k] * (1 - adam_lr * wd) - adam_lr * mhat / (vhat.sqrt() + eps)
+    return w
+
+
+def make(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"tall": torch.randn(12, 5, generator=g), "wide": torch.randn(4, 9, generator=g),
+            "bias": torch.randn(7, generator=g)}
+
+
+@pytest.mark.parametrize("nesterov,adjust", [(True, "match_rms_adamw"), (False, "spectral")])
+def test_matches_the_published_algorithm_over_several_steps(nesterov, adjust):
+    start = make()
+    g = torch.Generator().manual_seed(1)
+    grads = [{k: torch.randn(v.shape, generator=g) for k, v in start.items()} for _ in range(4)]
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
+    opt = Muon(list(params.values()), lr=0.01, momentum=0.9, nesterov=nesterov, ns_steps=5, weight_decay=0.1,
+               adjust_lr=adjust, adam_lr=0.003, adam_betas=(0.8, 0.95), adam_eps=1e-8)
+    for step in grads:
+        for k, p in params.items():
+            p.grad = step[k].clone()
+        opt.step()
+    want = reference_steps(start, grads, 0.01, 0.9, nesterov, 5, 0.1, adjust, 0.003, (0.8, 0.95), 1e-8)
+    for k, p in params.items():
+        torch.testing.assert_close(p.data, want[k], rtol=0, atol=1e-6, msg=k)
+    assert [grp["use_muon"] for grp in opt.param_groups] == [True, False]
+
+
+def test_orthogonalized_update_has_singular_values_near_one():
+    u = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    s = torch.linalg.svdvals(reference_ns(u, 5))
+    assert s.min() > 0.5 and s.max() < 1.5  # the quintic's known band, not exactly 1
+
+
+def test_named_exceptions_go_to_adamw():
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(10, 4), "fc": torch.nn.Linear(4, 4),
+                                 "norm": torch.nn.LayerNorm(4), "lm_head": torch.nn.Linear(4, 10, bias=False)})
+    flags = flag_muon_params(model)
+    assert flags == {"embed.weight": False, "fc.weight": True, "fc.bias": False, "norm.weight": False,
+                     "norm.bias": False, "lm_head.weight": False}
+    opt = Muon(model.parameters(), adam_lr=0.5, adam_betas=(0.8, 0.9))
+    muon = [p for grp in opt.param_groups if grp["use_muon"] for p in grp["params"]]
+    assert muon == [model["fc"].weight]
+    adam = next(grp for grp in opt.param_groups if not grp["use_muon"])
+    assert adam["lr"] == 0.5 and adam["betas"] == (0.8, 0.9)
+
+
+def test_config_builds_muon_with_its_params():
+    cfg = OptimizerConfig(type="muon", params={"lr": 0.002, "adjust_lr": "spectral", "adam_lr": 3e-4,
+                                               "ns_steps": 3, "exclude": ["head"]})
+    opt = build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(4))])
+    assert type(opt) is Muon
+    muon, adam = opt.param_groups
+    assert (muon["lr"], muon["adjust_lr"], muon["ns_steps"], adam["lr"]) == (0.002, "spectral", 3, 3e-4)
+    resolved = resolve_optimizer_config(cfg).params
+    assert resolved["momentum"] == 0.95 and resolved["nesterov"] is True and resolved["exclude"] == ["head"]
+
+
+def test_bad_muon_params_name_the_key():
+    issues = {i.path: i.message for i in check_optimizer("Muon", {"adjust_lr": "rms", "exclude": ["("],
+                                                                  "ns_steps": 0})}
+    assert set(issues) == {"optimizer.params.adjust_lr", "optimizer.params.exclude", "optimizer.params.ns_steps"}
+    assert "match_rms_adamw" in issues["optimizer.params.adjust_lr"]
+    assert "'('" in issues["optimizer.params.exclude"]
+    with pytest.raises(ValueError, match="adjust_lr"):
+        Muon([torch.nn.Parameter(torch.zeros(2, 2))], adjust_lr="rms")
+    with pytest.raises(ConfigError, match="optimizer.params.momentum"):
+        build_optimizer(OptimizerConfig(type="Muon", params={"momentum": 1.0}), [torch.zeros(2, 2)])
+
+
+def test_deepspeed_set_optimizer_flags_tags_like_deepspeed():
+    import trident
+    model = torch.nn.ModuleDict({"Embed": torch.nn.Embedding(10, 4), "fc": torch.nn.Linear(4, 4),
+                                 "lm_head": torch.nn.Linear(4, 10)})
+    trident.set_optimizer_flags(trident.DeepSpeedConfig({"train_batch_size": 1, "optimizer": {"type": "AdamW"}}),
+                                model)
+    assert not any(hasattr(p, "use_muon") for p in model.parameters())  # not Muon: untouched
+    trident.set_optimizer_flags(trident.DeepSpeedConfig({"train_batch_size": 1, "optimizer": {"type": "Muon"}}),
+                                model)
+    assert {n for n, p in model.named_parameters() if p.use_muon} == {"fc.weight"}
+
+
+def test_planner_search_keeps_muon_states_on_the_device_and_prices_its_gathers():
+    from trident.planner import Workload, make_cluster, model_preset, search
+    from trident.planner.search import SearchSpace
+    found = search(model_preset("gpt2-124m"), make_cluster("a100-80gb", 8, 8), Workload(1024, 64, optimizer="muon"),
+                   SearchSpace(micro_batches=(4,), checkpointing=("none",)))
+    assert found.ranked and all(c.layout.offload_optimizer == "none" for c in found.ranked + found.too_big)
+    zero2 = next(c for c in found.ranked if c.layout.zero_stage == 2 and c.layout.dp == 8)
+    assert {t.what for t in zero2.estimate.traffic} >= {"Muon momenta to their owner ranks",
+                                                        "Muon updates from their owner ranks"}

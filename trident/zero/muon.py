@@ -1,0 +1,126 @@
+"""Muon under ZeRO: Newton-Schulz on whole matrices while the optimizer state stays partitioned.
+
+Each rank holds shards of every unit (trident.zero.partition) and, for Muon's param groups, the
+momentum of its shards (in the optimizer's state of each fp32 master chunk, so checkpoints save
+and reshard it like Adam's moments). Per step and per partition group whose optimizer param
+group has `use_muon`:
+
+1. momentum, elementwise on this rank's shards: U = G + momentum * B (or B);
+2. each unit (a gradient bucket under stages 1-2, a module under stage 3: whole matrices,
+   split evenly over the ranks) has one *owner* rank; the units are dealt largest cost first
+   to the least loaded rank of the group (cost ~ n * m * min(n, m) per matrix, the
+   Newton-Schulz flops). The unit's U shards are gathered to its owner;
+3. the owner orthogonalizes each of the unit's matrices and scatters the shards back;
+4. decoupled weight decay and the step, elementwise on the shards, as in one process.
+
+A tensor-parallel slice's unit is owned by the same dp rank on every tp rank (their layouts
+are the same), so in step 3 those owners gather the slices over the tp group together, and
+each keeps its slice of the orthogonalized whole.
+
+Traffic per step (`bytes_per_step`): each unit's world - 1 foreign fp32 shards into its owner
+and back, 2 * 4 * shard * (world - 1) bytes per unit over the group, about 8 / world bytes
+per Muon parameter per rank: a world-th of what an all-gather and a reduce-scatter of every
+unit would move.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from trident.comm import collectives
+from trident.optim.muon import apply_update, momentum_update, orthogonalize, orthogonalize_tp_slice, tp_spec
+
+
+def muon_groups(optimizer: torch.optim.Optimizer, groups: list) -> list:
+    """The trained partition groups whose optimizer param group Muon steps."""
+    return [pg for pg in groups if pg.opt_group >= 0 and optimizer.param_groups[pg.opt_group].get("use_muon")]
+
+
+def assign_owners(groups: list) -> dict[tuple[int, int], int]:
+    """(partition group position, unit index) -> owner rank in that group's dp group: units
+    dealt largest Newton-Schulz cost first to the least loaded rank."""
+    owners, loads = {}, {}
+    work = [(g, u, sum(_ns_cost(s.shape) for s in u.slots)) for g, pg in enumerate(groups) for u in pg.layout.units]
+    work.sort(key=lambda guc: -guc[2])
+    for g, unit, cost in work:
+        load = loads.setdefault(groups[g].comm.world, [0] * groups[g].comm.world)
+        rank = min(range(len(load)), key=lambda r: load[r])
+        load[rank] += cost
+        owners[(g, unit.index)] = rank
+    return owners
+
+
+def _ns_cost(shape: tuple[int, ...]) -> int:
+    n = shape[0]
+    m = 1
+    for d in shape[1:]:
+        m *= d
+    return n * m * min(n, m)
+
+
+class ShardedMuon:
+    """Muon's step for the Muon partition groups of one ZeroOptimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list, logger=None, tp_group=None) -> None:
+        self.optimizer, self.groups, self.logger, self.tp_group = optimizer, groups, logger, tp_group
+        self.owners = assign_owners(groups)
+        self.bytes_per_step = sum(2 * 4 * u.shard * (pg.comm.world - 1) for pg in groups for u in pg.layout.units)
+        """fp32 bytes gathered to and scattered from the owners, over all ranks (each unit's
+        other world - 1 shards, both ways)."""
+
+    def owns(self, pg) -> bool:
+        return any(pg is g for g in self.groups)
+
+    @torch.no_grad()
+    def step(self, sub_groups: list, chunk_grads: Callable[[int], list[torch.Tensor]],
+             step_grads: Callable[[list, float], list[torch.Tensor]], grad_coef: float,
+             write_shards: Callable) -> None:
+        """Step every Muon partition group; `chunk_grads(s)`: sub-group s's gradient chunks,
+        `step_grads`: them in fp32 times the coefficient, `write_shards(pg, k, j)`: masters to
+        the parameter shards."""
+        for g, pg in enumerate(self.groups):
+            group = self.optimizer.param_groups[pg.opt_group]
+            device = pg.masters[0].device
+            u_shards = [torch.zeros(u.shard, dtype=torch.float32, device=device) for u in pg.layout.units]
+            for s, (spg, k, j) in enumerate(sub_groups):
+                if spg is not pg:
+                    continue
+                grads = step_grads(chunk_grads(s), grad_coef)
+                for m, grad, (u, start, end) in zip(pg.masters[k:j], grads, pg.chunks[k:j]):
+                    state = self.optimizer.state[m]
+                    if not state:
+                        state["momentum_buffer"] = torch.zeros_like(m)
+                    u_shards[u][start:end] = momentum_update(grad, state["momentum_buffer"], group["momentum"],
+                                                             group["nesterov"])
+            updates = [self._orthogonalized_shard(g, pg, unit, u_shards[unit.index], group)
+                       for unit in pg.layout.units]
+            for m, (u, start, end) in zip(pg.masters, pg.chunks):
+                apply_update(m, updates[u][start:end], group)
+            write_shards(pg, 0, len(pg.masters))
+
+    def _orthogonalized_shard(self, g: int, pg, unit, u_shard: torch.Tensor, group: dict) -> torch.Tensor:
+        """This rank's shard of the unit's update: the shards gathered to the unit's owner, which
+        orthogonalizes each matrix and scatters the shards back."""
+        comm = pg.comm
+        owner = self.owners[(g, unit.index)]
+        mine = comm.rank == owner
+        whole = torch.empty(unit.padded, dtype=u_shard.dtype, device=u_shard.device) if mine else None
+        collectives.gather(u_shard, list(whole.split(unit.shard)) if mine else None, owner, group=comm.group,
+                           logger=self.logger)
+        out = None
+        if mine:
+            out = torch.zeros_like(whole)
+            for slot in unit.slots:
+                piece = slice(slot.offset, slot.offset + slot.numel)
+                spec = tp_spec(pg.params[slot.index])
+                if spec is None:
+                    out[piece] = orthogonalize(whole[piece], slot.shape, group).reshape(-1)
+                else:  # the unit's owner is the same dp rank on every tp rank: they gather together
+                    out[piece] = orthogonalize_tp_slice(whole[piece].view(slot.shape), spec, self.tp_group,
+                                                        group).reshape(-1)
+        shard = torch.empty_like(u_shard)
+        collectives.scatter(shard, list(out.split(unit.shard)) if mine else None, owner, group=comm.group,
+                            logger=self.logger)
+        return shard
