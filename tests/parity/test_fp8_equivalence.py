@@ -104,3 +104,33 @@ def test_fp8_data_parallel_matches_torchao_single_process(stage):
         if weights is not None:
             for k in weights:
                 torch.testing.assert_close(weights[k], ref_weights[k], rtol=1e-6, atol=1e-6)
+
+
+def train_pipeline():
+    """pp=2 (dp 1): the reference GPT as a PipelineModule, 2 micro-batches per step (1F1B)."""
+    from trident.models.gpt_pipe import gpt_pipe, gpt_state_dict, load_gpt_state_dict
+    mesh = cached_mesh(pp=2)
+    cfg = GPTConfig(**MODEL)
+    pipe = gpt_pipe(cfg, 2, partition_method="uniform", stage_id=mesh.pp_rank)
+    load_gpt_state_dict(pipe, make_model().state_dict(), cfg)
+    config_ = {**config(0), "gradient_accumulation_steps": 2,
+               "pipeline": {"stages": 2, "schedule": "1f1b", "partition_method": "uniform"}}
+    engine, *_ = trident.initialize(model=pipe, config=config_, mesh=mesh)
+    data, losses = tokens(2), []
+    for step in range(STEPS):
+        mine = data[step * 2 * MICRO:(step + 1) * 2 * MICRO]
+        losses.append(float(engine.train_batch(iter([(mine[k:k + MICRO, :-1], mine[k:k + MICRO, 1:])
+                                                     for k in range(0, 2 * MICRO, MICRO)]))))
+    weights = {k: v.detach().float().clone() for k, v in gpt_state_dict(pipe, cfg).items()}
+    return losses, weights, engine.fp8_report.converted
+
+
+def test_fp8_pipeline_matches_torchao_single_process():
+    ref_losses, ref_weights = reference(2)  # the pipeline's 2 micro-batches are the reference's 2 "ranks"
+    results = run_on_ranks(2, train_pipeline)
+    assert [len(r[2]) for r in results] == [4, 4]  # each stage converts its block's four linear layers
+    assert_losses_close(results[-1][0], ref_losses, rtol=1e-6)
+    assert set().union(*(r[1] for r in results)) >= set(ref_weights) - {"lm_head.weight"}
+    for _, weights, _ in results:
+        for k in weights:
+            torch.testing.assert_close(weights[k], ref_weights[k], rtol=1e-6, atol=1e-6)
