@@ -40,13 +40,24 @@ def tokens(world: int) -> torch.Tensor:
     return torch.randint(0, MODEL["vocab_size"], (STEPS * world * MICRO, MODEL["seq_len"] + 1), generator=g)
 
 
-def config(stage: int, fp8: dict = FP8) -> dict:
+def config(stage: int, fp8: dict = FP8, recompute: bool = False) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "SGD", "params": {"lr": LR}}, "fp8": fp8,
-            "zero_optimization": {"stage": stage}, "communication_data_type": "fp32", "steps_per_print": 0}
+            "zero_optimization": {"stage": stage}, "communication_data_type": "fp32", "steps_per_print": 0,
+            "activation_checkpointing": {"layers": [r"^blocks\.\d+$"] if recompute else []}}
 
 
 def reference(world: int, fp8: dict | None = FP8):
+    key = (world, repr(fp8))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(world, fp8)
+    return _REFERENCES[key]
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(world: int, fp8: dict | None):
     """torchao's conversion in one process (none for fp8=None): each rank's micro-batch in turn,
     gradients averaged."""
     model = make_model()
@@ -69,9 +80,9 @@ def reference(world: int, fp8: dict | None = FP8):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train(stage: int, fp8: dict = FP8):
+def train(stage: int, fp8: dict = FP8, recompute: bool = False):
     mesh = cached_mesh()
-    engine, _, _, _ = trident.initialize(model=make_model(), config=config(stage, fp8), mesh=mesh)
+    engine, _, _, _ = trident.initialize(model=make_model(), config=config(stage, fp8, recompute), mesh=mesh)
     data, world, losses = tokens(mesh.dp_size), mesh.dp_size, []
     for step in range(STEPS):
         start = (step * world + mesh.dp_rank) * MICRO
@@ -91,12 +102,13 @@ def mean_losses(results) -> list[float]:
     return [sum(step) / len(step) for step in zip(*(r[0] for r in results))]
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_fp8_data_parallel_matches_torchao_single_process(stage):
+@pytest.mark.parametrize("stage,recompute", [(0, False), (1, False), (2, True), (3, False), (3, True)])
+def test_fp8_data_parallel_matches_torchao_single_process(stage, recompute):
+    """DP with ZeRO 0-3, with activation checkpointing of every block (FP8 casts recomputed)."""
     ref_losses, ref_weights = reference(2)
     _, plain_weights = reference(2, None)
     assert max((plain_weights[k] - ref_weights[k]).abs().max() for k in ref_weights) > 1e-3  # FP8 is visible
-    results = run_on_ranks(2, train, stage)
+    results = run_on_ranks(2, train, stage, FP8, recompute)
     assert_losses_close(mean_losses(results), ref_losses, rtol=1e-6)
     for losses, weights, kinds, line in results:
         assert kinds == ["Float8Linear", "Linear"]  # the head is skipped by the filter
