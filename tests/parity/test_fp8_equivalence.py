@@ -190,3 +190,25 @@ def test_fp8_loss_after_100_steps_within_two_percent_of_bf16():
     (bf16_loss, bf16_first), = run_on_ranks(1, corpus_loss, False)
     assert bf16_loss < 0.8 * bf16_first  # it learned: the comparison is between trained models
     assert abs(fp8_loss - bf16_loss) / bf16_loss < 0.02, (fp8_loss, bf16_loss)
+
+
+def train_tp():
+    """tp=2 (the reference GPT built tensor-parallel): the run trains, and the start-up report
+    names the tp-split layers FP8 leaves in the compute dtype (not implemented for them yet)."""
+    mesh = cached_mesh(tp=2)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**MODEL), mesh)
+    cfg = {**config(0, {**FP8, "filter": {}}), "tensor_parallel": {"size": 2}}
+    engine, *_ = trident.initialize(model=model, config=cfg, mesh=mesh)
+    batch = tokens(1)[:MICRO]
+    engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+    engine.step()
+    return engine.fp8_report, engine.last_loss
+
+
+def test_fp8_with_tp_keeps_the_split_layers_and_says_so():
+    (report, loss), _ = run_on_ranks(2, train_tp)
+    assert loss == loss  # finite
+    split = {name for name, why in report.kept.items() if why.startswith("tensor-parallel")}
+    assert {"blocks.0.attn.qkv", "blocks.1.mlp.proj"} <= split and not set(report.converted) & split
+    assert "tensor-parallel: FP8 of tp-split layers is not implemented yet" in report.describe()

@@ -100,14 +100,15 @@ def float8_config(cfg: FP8Config):
     return dataclasses.replace(base, emulate=cfg.emulate)
 
 
-def apply_fp8(model: nn.Module, cfg: FP8Config, device: torch.device) -> FP8Report:
-    """Convert `model`'s linear layers in place (the section's filter decides which)."""
+def apply_fp8(model: nn.Module, cfg: FP8Config, device: torch.device, allow_none: bool = False) -> FP8Report:
+    """Convert `model`'s linear layers in place (the section's filter decides which). Converting
+    none is an error unless `allow_none` (the caller keeps other layers out for a reason it reports)."""
     check_fp8_hardware(cfg, device)
     float8 = _torchao_float8()
     kept: dict[str, str] = {}
     float8.convert_to_float8_training(model, module_filter_fn=module_filter(cfg, kept), config=float8_config(cfg))
     converted = [name for name, m in model.named_modules() if isinstance(m, float8_linear_class())]
-    if not converted:
+    if not converted and not allow_none:
         raise ConfigError([ConfigIssue("fp8.filter", (
             "fp8.enabled is true but no linear layer was converted (the model has none, or the filter keeps them "
             f"all: {_fold(list(kept)) or 'no nn.Linear found'}); loosen fp8.filter or set fp8.enabled to false"))])
