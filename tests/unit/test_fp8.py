@@ -26,6 +26,8 @@ def test_section_defaults_and_errors_name_the_path():
         fp8(filter={"skip": ["head", "["]})
     with pytest.raises(ConfigError, match="fp8.filter.keep: unknown key"):
         fp8(filter={"keep": ["head"]})
+    with pytest.raises(ConfigError, match="fp8.enabled: true with parameter_server.servers > 0"):
+        load_config({"fp8": {"enabled": True}, "parameter_server": {"servers": 1}})
 
 
 def test_cpu_without_emulate_is_refused_saying_why():

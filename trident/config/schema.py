@@ -35,7 +35,8 @@ from trident.config.trainer_sections import DataConfig, ModelConfig, MoEModelCon
 __all__ = [
     "ActivationCheckpointingConfig", "AioConfig", "BF16Config", "CSVMonitorConfig", "CheckpointConfig",
     "CommsLoggerConfig", "CompileConfig", "ContextParallelConfig", "DataConfig", "DistributedConfig",
-    "ExpertParallelConfig", "FP16Config", "FP8Config", "FP8FilterConfig", "FlopsProfilerConfig", "HostAllocatorConfig", "LoRAConfig", "ModelConfig", "MoEModelConfig",
+    "ExpertParallelConfig", "FP16Config", "FP8Config", "FP8FilterConfig", "FlopsProfilerConfig", "HostAllocatorConfig",
+    "LoRAConfig", "ModelConfig", "MoEModelConfig",
     "NumericsConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "ParameterServerConfig",
     "PipelineConfig", "SchedulerConfig", "Section", "TensorBoardConfig", "TensorParallelConfig", "TrainerConfig",
     "TridentConfig", "ZeroConfig",
@@ -126,6 +127,14 @@ class TridentConfig(Section):
     @classmethod
     def _comm_dtype_any_case(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value  # DeepSpeed lower-cases it too
+
+    @model_validator(mode="after")
+    def _fp8_not_with_parameter_server(self) -> TridentConfig:
+        if self.fp8.enabled and self.parameter_server.servers > 0:
+            raise ConfigError([ConfigIssue("fp8.enabled", (
+                "true with parameter_server.servers > 0; parameter-server training does not convert the model to "
+                "FP8: set fp8.enabled to false or parameter_server.servers to 0"))])
+        return self
 
     @model_validator(mode="after")
     def _one_precision(self) -> TridentConfig:
