@@ -203,16 +203,14 @@ def _convert_fp8(model, cfg, mesh, device):
     if not cfg.fp8.enabled:
         return None
     import dataclasses
-    from trident.precision.fp8 import apply_fp8
-    from trident.tensor_parallel.layers import ColumnParallelLinear, ReplicatedHeadsLinear, RowParallelLinear
-    split = {name: "tensor-parallel: FP8 of tp-split layers is not implemented yet"
-             for name, m in model.named_modules()
-             if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ReplicatedHeadsLinear))}
-    report = apply_fp8(model, cfg.fp8, device, allow_none=bool(split))
-    if split:
-        logger.warning("fp8: %d tensor-parallel linear layers keep the compute dtype (FP8 converts plain nn.Linear "
-                       "layers only so far; their scales would need an amax reduction over tp)", len(split))
-        report = dataclasses.replace(report, kept={**report.kept, **split})
+    from trident.precision.fp8 import apply_fp8, check_fp8_hardware
+    from trident.tensor_parallel.fp8_convert import convert_tp_layers
+    check_fp8_hardware(cfg.fp8, device)
+    tp_converted, tp_kept = convert_tp_layers(model, cfg.fp8)  # tp-split layers: scales from tp-wide amaxes
+    report = apply_fp8(model, cfg.fp8, device, allow_none=bool(tp_converted or tp_kept))
+    if tp_converted or tp_kept:
+        report = dataclasses.replace(report, converted=report.converted + tp_converted,
+                                     kept={**report.kept, **tp_kept})
     return report
 
 

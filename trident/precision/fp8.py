@@ -79,18 +79,25 @@ def module_filter(cfg: FP8Config, kept: dict[str, str] | None = None) -> Callabl
     def accept(module: nn.Module, name: str) -> bool:
         if not isinstance(module, nn.Linear):
             return True  # torchao asks about every module; only linear layers are converted
-        if convert and not any(p.search(name) for p in convert):
-            kept[name] = "not matched by fp8.filter.convert"
-            return False
-        if any(p.search(name) for p in skip):
-            kept[name] = "fp8.filter.skip"
-            return False
-        if not cfg.emulate and (module.in_features % GEMM_MULTIPLE or module.out_features % GEMM_MULTIPLE):
-            kept[name] = f"dimensions not multiples of {GEMM_MULTIPLE}"
-            return False
-        return True
+        reason = keep_reason(cfg, name, module.weight.shape, convert, skip)
+        if reason is not None:
+            kept[name] = reason
+        return reason is None
 
     return accept
+
+
+def keep_reason(cfg: FP8Config, name: str, weight_shape, convert=None, skip=None) -> str | None:
+    """Why the linear layer `name` (of this rank's weight shape) stays in the compute dtype, or None."""
+    convert = [re.compile(p) for p in cfg.filter.convert] if convert is None else convert
+    skip = [re.compile(p) for p in cfg.filter.skip] if skip is None else skip
+    if convert and not any(p.search(name) for p in convert):
+        return "not matched by fp8.filter.convert"
+    if any(p.search(name) for p in skip):
+        return "fp8.filter.skip"
+    if not cfg.emulate and any(d % GEMM_MULTIPLE for d in weight_shape):
+        return f"dimensions not multiples of {GEMM_MULTIPLE}"
+    return None
 
 
 def float8_config(cfg: FP8Config):
