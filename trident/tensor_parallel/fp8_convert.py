@@ -17,8 +17,6 @@ def convert_tp_layers(model: torch.nn.Module, cfg) -> tuple[list[str], dict[str,
     for name, m in model.named_modules():
         if isinstance(m, ReplicatedHeadsLinear):
             kept[name] = "tensor-parallel replicated key/value heads: FP8 not implemented for them yet"
-        elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and cfg.recipe != "tensorwise":
-            kept[name] = "tensor-parallel: FP8 under tp has the tensorwise recipe only so far"
         elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             reason = keep_reason(cfg, name, m.weight.shape)
             if reason is not None:
