@@ -48,15 +48,15 @@ def test_autotp_size_is_tensor_parallel_size_with_the_auto_plan():
 
 def test_unknown_section_switched_on_is_an_error_naming_it():
     with pytest.raises(ConfigError) as err:
-        load(fp8={"enabled": True, "format": "e4m3"})
+        load(transformer_engine={"enabled": True, "format": "e4m3"})
     [issue] = err.value.issues
-    assert issue.path == "fp8" and "`fp8.enabled: true`" in issue.message
+    assert issue.path == "transformer_engine" and "`transformer_engine.enabled: true`" in issue.message
     assert "set its `enabled` to false" in issue.message
     with pytest.raises(ConfigError, match="my_feature.inner.enabled"):
         load(my_feature={"inner": {"enabled": 1}})
 
 
 def test_unknown_key_that_switches_nothing_on_stays_a_note():
-    for extra in ({"fp8": {"enabled": False}}, {"my_project": {"name": "x"}}, {"my_flag": True}):
+    for extra in ({"transformer_engine": {"enabled": False}}, {"my_project": {"name": "x"}}, {"my_flag": True}):
         cfg = load(**extra)
         assert [n.kind for n in cfg._notes] == ["unknown"], cfg._notes

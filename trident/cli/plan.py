@@ -98,6 +98,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
                    help="the model trains with dropout (its masks are kept and moved); default: a model config's "
                         "dropout probabilities (GPT-2's attn_pdrop / resid_pdrop, ...) when one is above 0, else none")
+    p.add_argument("--fp8", action="store_true", default=False,
+                   help="price the layers' dense GEMMs at the GPU's FP8 rate (the config's fp8.enabled does too)")
     p.add_argument("--lora-r", type=positive_int, default=None,
                    help="LoRA fine-tuning with adapters of this rank (default: full training, or --config's lora.r)")
     p.add_argument("--lora-targets", type=_lora_targets, default=DEFAULT_LORA_TARGETS,
@@ -182,7 +184,7 @@ def _config_layout(path: str, gpus: int) -> tuple[Layout, dict]:
                     "buckets": buckets,
                     "micro_batch_open": cfg.train_micro_batch_size_per_gpu is None,
                     "compression": compression_from_config(json.loads(Path(path).read_text())),
-                    "lora_r": lora_r, "cp_method": method,
+                    "lora_r": lora_r, "cp_method": method, "fp8": cfg.fp8.enabled,
                     "cp_ulysses_size": cp_section.ulysses_size if method == "hybrid" else None}
 
 
@@ -254,7 +256,7 @@ def run(args: argparse.Namespace, out=None) -> int:
                                 cp_method=args.cp_method or cfg["cp_method"],
                                 cp_ulysses_size=None if args.cp_method else cfg["cp_ulysses_size"],
                                 compression=cfg["compression"] if cfg["compression"].active else None,
-                                attention=attention, dropout=dropout, **cfg["buckets"])
+                                attention=attention, dropout=dropout, fp8=args.fp8 or cfg["fp8"], **cfg["buckets"])
             if cfg["micro_batch_open"]:  # the config leaves it open: the largest that fits
                 est = fit_micro_batch(model, layout, cluster, workload)
             else:
@@ -263,7 +265,7 @@ def run(args: argparse.Namespace, out=None) -> int:
             return 0 if est.valid and est.fits else 1
         workload = Workload(seq, args.global_batch or _default_batch(seq, args.gpus), args.precision or "bf16",
                             args.optimizer, lora_r=args.lora_r or 0, lora_targets=args.lora_targets,
-                            cp_method=args.cp_method or "ring", attention=attention, dropout=dropout)
+                            cp_method=args.cp_method or "ring", attention=attention, dropout=dropout, fp8=args.fp8)
         result = search(model, cluster, workload)
     except (ValueError, OSError) as err:
         print(f"trident plan: {err}", file=sys.stderr)
@@ -273,7 +275,8 @@ def run(args: argparse.Namespace, out=None) -> int:
     else:
         lora = f"; LoRA r={workload.lora_r} on {','.join(workload.lora_targets)}" if workload.lora_r else ""
         print(f"{model.describe()}\n{args.gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node); global batch "
-              f"{workload.global_batch} x {seq} tokens; {workload.precision} + {workload.optimizer}{lora}"
+              f"{workload.global_batch} x {seq} tokens; {workload.precision}{' + fp8 GEMMs' if workload.fp8 else ''} + "
+              f"{workload.optimizer}{lora}"
               f"{'; cp attention: ' + workload.cp_method if any(c.layout.cp > 1 for c in result.ranked) else ''}\n",
               file=out)
         print(result.format(args.top), file=out)

@@ -5,6 +5,7 @@ parameter server. Attribute names are the JSON keys; every field says why it exi
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -34,6 +35,45 @@ class BF16Config(Section):
     """bf16 mixed precision: fp32's exponent range, so no loss scaling is needed."""
 
     enabled: bool = Field(False, description="Compute in bf16, keep fp32 master weights.")
+
+
+class FP8FilterConfig(Section):
+    """Which linear layers `fp8` converts, by module name (the name in `model.named_modules()`
+    after tensor parallelism, e.g. `blocks.0.attn.qkv`). Patterns are Python regexes matched
+    with `re.search`, so `head` matches any name containing it; anchor with `^...$` for exact names."""
+
+    convert: list[str] = Field(default_factory=list, description=(
+        "Convert only linear layers whose name matches one of these; empty = every linear layer."))
+    skip: list[str] = Field(default_factory=list, description=(
+        "Keep linear layers whose name matches one of these in the compute dtype (e.g. the head and the first "
+        "and last block: [\"head\", \"^blocks\\\\.0\\\\.\", \"^blocks\\\\.11\\\\.\"]); wins over convert."))
+
+    @field_validator("convert", "skip")
+    @classmethod
+    def _regexes_compile(cls, patterns: list[str]) -> list[str]:
+        for i, pattern in enumerate(patterns):
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise rule_error(f"entry {i}, {pattern!r}, is not a valid regular expression ({err}); "
+                                 "write a Python regex matched against module names") from None
+        return patterns
+
+
+class FP8Config(Section):
+    """FP8 matmuls for the model's linear layers with torchao.float8 (a trident section; needs the
+    `fp8` extra). Weights, gradients and optimizer states keep their dtypes; each converted layer
+    casts its input, weight and output gradient to float8 with dynamic scales for its three GEMMs."""
+
+    enabled: bool = Field(False, description="Convert the model's linear layers to torchao's Float8Linear.")
+    recipe: Literal["tensorwise", "rowwise"] = Field("tensorwise", description=(
+        "torchao's scaling recipe: one scale per tensor (fastest) or one per row (more accurate; "
+        "torchao runs it best with bf16 compute)."))
+    filter: FP8FilterConfig = Field(default_factory=FP8FilterConfig, description=(
+        "Module-name regexes: the linear layers to convert and those to keep in the compute dtype."))
+    emulate: bool = Field(False, description=(
+        "torchao's emulation: float8 rounding and scales computed with ordinary matmuls, so FP8 runs on CPU or "
+        "a GPU without FP8 units (compute capability < 8.9). For tests; no speed-up."))
 
 
 # -- optimizer and scheduler (their params are checked by trident.optim) ------------------------

@@ -24,7 +24,8 @@ from trident.config.parallel_sections import (ActivationCheckpointingConfig, Aio
                                               ExpertParallelConfig, LoRAConfig, OffloadOptimizerConfig,
                                               OffloadParamConfig, PipelineConfig, TensorParallelConfig, ZeroConfig)
 from trident.config.run_sections import (BF16Config, CheckpointConfig, CommsLoggerConfig, CompileConfig,
-                                         CSVMonitorConfig, DistributedConfig, FP16Config, HostAllocatorConfig,
+                                         CSVMonitorConfig, DistributedConfig, FP16Config, FP8Config,
+                                         FP8FilterConfig, HostAllocatorConfig,
                                          NumericsConfig, OptimizerConfig, ParameterServerConfig, SchedulerConfig,
                                          TensorBoardConfig)
 from trident.config.run_sections import FlopsProfilerConfig
@@ -34,7 +35,8 @@ from trident.config.trainer_sections import DataConfig, ModelConfig, MoEModelCon
 __all__ = [
     "ActivationCheckpointingConfig", "AioConfig", "BF16Config", "CSVMonitorConfig", "CheckpointConfig",
     "CommsLoggerConfig", "CompileConfig", "ContextParallelConfig", "DataConfig", "DistributedConfig",
-    "ExpertParallelConfig", "FP16Config", "FlopsProfilerConfig", "HostAllocatorConfig", "LoRAConfig", "ModelConfig", "MoEModelConfig",
+    "ExpertParallelConfig", "FP16Config", "FP8Config", "FP8FilterConfig", "FlopsProfilerConfig", "HostAllocatorConfig",
+    "LoRAConfig", "ModelConfig", "MoEModelConfig",
     "NumericsConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "ParameterServerConfig",
     "PipelineConfig", "SchedulerConfig", "Section", "TensorBoardConfig", "TensorParallelConfig", "TrainerConfig",
     "TridentConfig", "ZeroConfig",
@@ -57,6 +59,8 @@ class TridentConfig(Section):
     scheduler: SchedulerConfig | None = Field(None, description="Learning-rate schedule; null = constant lr.")
     fp16: FP16Config = Field(default_factory=FP16Config, description="fp16 mixed precision.")
     bf16: BF16Config = Field(default_factory=BF16Config, description="bf16 mixed precision.")
+    fp8: FP8Config = Field(default_factory=FP8Config, description=(
+        "FP8 matmuls of the linear layers (torchao.float8), on top of bf16/fp32 compute."))
     gradient_clipping: float = Field(0.0, ge=0, json_schema_extra={"hint": "0 disables clipping"}, description=(
         "Clip the global L2 norm of the gradients to this value; 0 disables clipping."))
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(None, description=(
@@ -123,6 +127,14 @@ class TridentConfig(Section):
     @classmethod
     def _comm_dtype_any_case(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value  # DeepSpeed lower-cases it too
+
+    @model_validator(mode="after")
+    def _fp8_not_with_parameter_server(self) -> TridentConfig:
+        if self.fp8.enabled and self.parameter_server.servers > 0:
+            raise ConfigError([ConfigIssue("fp8.enabled", (
+                "true with parameter_server.servers > 0; parameter-server training does not convert the model to "
+                "FP8: set fp8.enabled to false or parameter_server.servers to 0"))])
+        return self
 
     @model_validator(mode="after")
     def _one_precision(self) -> TridentConfig:

@@ -10,7 +10,8 @@ The order is fixed and is the one place where strategies meet:
   4. tensor parallelism: the config's plan replaces layers by their tp-split twins (each rank
      keeping its slice of the full weight); context parallelism gives the model its cp handle
      (it shards every sequence itself); then every dp replica gets rank 0's weights
-  5. precision: cast the model to bf16/fp16, keep fp32 master weights
+  5. precision: `fp8` converts linear layers to torchao's Float8Linear (trident.precision.fp8);
+     cast the model to bf16/fp16, keep fp32 master weights
   6. data parallelism: stage 0's gradient buffer and bucketed all-reduce, or ZeRO's partitions
   7. optimizer and LR scheduler over the master weights; `compile`: torch.compile each block,
      after every wrapper and hook above is in place (trident.engine.compile)
@@ -136,6 +137,7 @@ def initialize(
     if cfg.lora is not None:
         from trident.peft import apply_lora
         apply_lora(model, seed=cfg.seed, **cfg.lora.model_dump())
+    fp8_report = _convert_fp8(model, cfg, mesh, device)
     _configure_activation_checkpointing(cfg, model, mesh)
     _broadcast_module(model, mesh)
     dtype = cast_to_compute_dtype(model, cfg)
@@ -169,6 +171,7 @@ def initialize(
     engine.compile_report = compile_report  # graph breaks per compiled block, filled on the first step
     record_deepspeed_arguments(engine, client_groups is not None, lr_scheduler, mpu, training_data, collate_fn)
     engine.parameter_counts = counts  # this rank's (tp / pp local) elements, before any ZeRO partitioning
+    engine.fp8_report = fp8_report  # trident.precision.fp8.FP8Report, or None without `fp8`
     attach_flops_profiler(engine)  # `flops_profiler`: engine.flops_profiler
     _log_startup(engine, device)
     if (line := ignored_line(list(cfg._notes))) is not None:
@@ -193,6 +196,23 @@ def _load_for_run(source, model, optimizer, lr_scheduler) -> TridentConfig:
                                                "partition_method": model.partition_method})
         cfg = cfg.model_copy(update={"pipeline": pipe})
     return cfg
+
+
+def _convert_fp8(model, cfg, mesh, device):
+    """`fp8`: torchao's Float8Linear for the model's linear layers, after tp / cp / ep / LoRA
+    replaced theirs and before anything records parameters (trident.precision.fp8)."""
+    if not cfg.fp8.enabled:
+        return None
+    import dataclasses
+    from trident.precision.fp8 import apply_fp8, check_fp8_hardware
+    from trident.tensor_parallel.fp8_convert import convert_tp_layers
+    check_fp8_hardware(cfg.fp8, device)
+    tp_converted, tp_kept = convert_tp_layers(model, cfg.fp8)  # tp-split layers: scales from tp-wide amaxes
+    report = apply_fp8(model, cfg.fp8, device, allow_none=bool(tp_converted or tp_kept))
+    if tp_converted or tp_kept:
+        report = dataclasses.replace(report, converted=report.converted + tp_converted,
+                                     kept={**report.kept, **tp_kept})
+    return report
 
 
 def _configure_activation_checkpointing(cfg, model, mesh) -> None:
@@ -333,6 +353,8 @@ def _log_startup(engine: Engine, device: torch.device) -> None:
                     f"{counts['trainable'] / (counts['trainable'] + counts['frozen']):.2%}", what,
                     f"{counts['frozen']:,}", format_bytes(counts["frozen"] * engine.compute_dtype.itemsize),
                     engine.compute_dtype)
+    if getattr(engine, "fp8_report", None) is not None:
+        logger.info(engine.fp8_report.describe())
     seq_len = getattr(getattr(engine.module, "config", None), "seq_len", None)  # the reference GPT's
     moe = describe_moe(engine.module, mesh, b.micro_batch_size * seq_len if seq_len else None)
     if moe:

@@ -16,7 +16,8 @@ a fixed cost per kernel: `KERNELS_FORWARD` + `KERNELS_BACKWARD` kernels at
 `GPUSpec.kernel_seconds` (launch latency on a GPU, an autograd op's dispatch on a CPU) -- what
 makes small layers slower than their FLOPs say. The loss adds its memory-bound passes over the
 [T, V / t] logits in fp32 (`LOSS_PASSES`): with a 50k vocabulary and a narrow model they cost
-as much as several layers. A calibrated device prices fused attention
+as much as several layers. With `Workload.fp8` the four dense GEMMs of a layer go at the GPU's FP8 peak
+(`GPUSpec.fp8_gemm_curve()`), where it has FP8 units. A calibrated device prices fused attention
 at the rate measured for its kernel (`GPUSpec.attention_rates`, by head width): on a CPU it
 runs at about half the GEMM rate, and much slower still for narrow heads.
 """
@@ -92,8 +93,9 @@ def micro_batch_compute(model: ModelSpec, layout: Layout, workload: Workload, cl
     flash = attention_kind(layout, workload) == "flash"
     gemms = layer_gemms(model, layout, workload)
     dense, attention = gemms[:4], gemms[4:]
+    dense_curve = (g.fp8_gemm_curve() if workload.fp8 else None) or curve  # `fp8`: at the FP8 rate where there is one
     for m, n, k, count in dense:
-        f, b = _fwd_bwd(curve, m, n, k, count, e)
+        f, b = _fwd_bwd(dense_curve, m, n, k, count, e)
         fwd_layer, bwd_layer = fwd_layer + f, bwd_layer + b
     if flash and g.attention_rates:  # the fused kernel at its measured rate
         flops = sum(2.0 * m * n * k * count for m, n, k, count in attention)

@@ -129,6 +129,10 @@ class Workload:
     zero3_prefetch_elems: int = 50_000_000
     zero3_persistence_threshold: int = 100_000
     zero3_max_reuse_distance: int = 1_000_000_000
+    fp8: bool = False
+    """The layers' dense GEMMs (qkv, attention out, MLP in and out, forward and backward) run in
+    float8 (the `fp8` section) at the GPU's FP8 rate; attention's batched GEMMs and the head stay
+    16-bit. The casts' element-wise passes (amax and scale per operand) are not priced yet."""
 
     def __post_init__(self) -> None:
         if self.cp_method not in CP_METHODS:

@@ -229,6 +229,9 @@ class GPUSpec:
     GPU (`trident.planner.gemm`); empty where no measurement is published (the tile and wave
     model alone)."""
     gemm_table: GemmTable | None = None
+    fp8_peak_flops: float | None = None
+    """Dense FP8 tensor-core FLOP/s (the data sheet's, without sparsity); None: no FP8 units, so
+    an `fp8` workload's GEMMs go at the 16-bit rate (torchao's emulation is no faster)."""
     attention_rates: tuple[tuple[int, float], ...] = ()
     """(head width, FLOP/s) of the fused attention kernel, forward and backward, as measured here;
     empty: its GEMMs go at the GEMM curve's rate (a GPU's flash attention runs near it)."""
@@ -240,9 +243,17 @@ class GPUSpec:
         return GemmCurve(self.peak_flops, self.gemm_efficiency, self.sms, self.hbm_bandwidth * self.memory_efficiency,
                          self.kernel_seconds, self.gemm_depth)
 
+    def fp8_gemm_curve(self) -> GemmCurve | None:
+        """The published curve at the FP8 peak (same sustained share, tiles and depth table as the
+        16-bit one); None on a device without FP8 units or priced by a measured 16-bit table."""
+        if self.fp8_peak_flops is None or self.gemm_table is not None:
+            return None
+        return replace(self.gemm_curve(), peak_flops=self.fp8_peak_flops)
+
 
 # Peak FLOP/s, memory, HBM and NVLink bandwidths are NVIDIA's data sheets (V100, A100, H100,
-# H200 SXM; dense, without sparsity). NVLink: V100 300 GB/s, A100 600 GB/s, H100/H200 900 GB/s
+# H200 SXM; dense, without sparsity). FP8: H100 and H200 SXM 1979 TFLOP/s dense (3958 with
+# sparsity); V100 and A100 have no FP8 tensor cores. NVLink: V100 300 GB/s, A100 600 GB/s, H100/H200 900 GB/s
 # total, i.e. half of that each way. Networks are those of the DGX reference nodes: DGX-1 has
 # 4 x 100 Gb/s EDR for 8 V100, DGX A100 8 x 200 Gb/s HDR, DGX H100 8 x 400 Gb/s NDR for 8 GPUs.
 # PCIe: gen3/4/5 x16 at about 80% of the 16/32/64 GB/s link rate. Latencies: a few us per hop
@@ -274,10 +285,10 @@ GPU_PRESETS: dict[str, GPUSpec] = {g.name: g for g in [
     GPUSpec("a100-40gb", 312e12, 40 * GiB, 1555e9, 300e9, 25e9, 25e9),
     GPUSpec("a100-80gb", 312e12, 80 * GiB, 2039e9, 300e9, 25e9, 25e9),
     GPUSpec("h100-80gb", 989e12, 80 * GiB, 3350e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70, sms=132,
-            gemm_depth=H100_GEMM_DEPTH),
+            gemm_depth=H100_GEMM_DEPTH, fp8_peak_flops=1979e12),
     # nvidia-smi reports 143771 MiB (140 GiB) for the "141 GB" H200.
     GPUSpec("h200-141gb", 989e12, 140 * GiB, 4800e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70, sms=132,
-            gemm_depth=H100_GEMM_DEPTH),
+            gemm_depth=H100_GEMM_DEPTH, fp8_peak_flops=1979e12),
 ]}
 
 

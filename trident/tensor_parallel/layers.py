@@ -110,6 +110,7 @@ class _TPModule(nn.Module):
         super().__init__()
         self.tp = TPHandle(mesh, logger)
         self.sequence_parallel = sequence_parallel
+        self.fp8 = None  # trident.tensor_parallel.fp8.TPFloat8 once `fp8` converts the layer
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -135,6 +136,14 @@ class _TPModule(nn.Module):
         param = nn.Parameter(spec.shard(full.detach(), self.tp_rank), requires_grad=full.requires_grad)
         set_tp_attributes(param, spec)
         return param
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8) -> torch.Tensor:
+    """F.linear, or its float8 GEMMs with tp-wide scales when `fp8` converted the layer."""
+    if fp8 is None:
+        return F.linear(x, weight, bias)
+    from trident.tensor_parallel.fp8 import float8_linear
+    return float8_linear(x, weight, bias, fp8)
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -204,7 +213,7 @@ class ColumnParallelLinear(_TPModule):
         else:
             x = copy_to_tp_region(x, self.tp_group, self.logger)
         weight = self.weight.t() if self.transposed else self.weight
-        y = F.linear(x, weight, None if self.skip_bias_add else self.bias)
+        y = _linear(x, weight, None if self.skip_bias_add else self.bias, self.fp8)
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group, self.logger)
             if y.shape[-1] != self.out_features:
@@ -265,7 +274,7 @@ class RowParallelLinear(_TPModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group, self.logger)
-        y = F.linear(x, self.weight.t() if self.transposed else self.weight)
+        y = _linear(x, self.weight.t() if self.transposed else self.weight, None, self.fp8)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group, self.logger, SEQUENCE_DIM)
         else:

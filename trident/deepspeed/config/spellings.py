@@ -7,7 +7,7 @@ Runs first in the dialect's translation (before `rules`):
     is that integer: DeepSpeed reads top-level scalars untyped and its pydantic sections coerce;
   - `tensor_parallel.autotp_size: N` (DeepSpeed AutoTP) is `tensor_parallel.size: N` with the plan
     `"auto"` (the model's own tensor-parallel plan, else the preset of its model type);
-  - a top-level section trident does not know that is switched on (`"fp8": {"enabled": true}`)
+  - a top-level section trident does not know that is switched on (`"transformer_engine": {"enabled": true}`)
     is an error naming it: the run would otherwise train without what the user asked for. An
     unknown key that switches nothing on stays a note (the loader's), as DeepSpeed ignores it.
 """
