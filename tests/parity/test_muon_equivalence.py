@@ -96,6 +96,14 @@ def test_muon_tp2_gathers_each_slice_whole(stage):
     check(run_on_ranks(2, train_dp, 4, stage, 2), ref, 1)
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_muon_dp2_tp2_matches_one_process(stage):
+    """4 ranks, dp 2 x tp 2: under ZeRO-3 a matrix's owner is a dp rank, and the two owners of its
+    tp slices (the same dp rank on each tp rank) gather them whole over tp; under stage 0 every dp
+    replica orthogonalizes its slices' wholes itself."""
+    check(run_on_ranks(4, train_dp, 4, stage, 2), serial_reference(8), 2)
+
+
 def check(results, ref: SerialRun, dp: int) -> None:
     """Losses, every rank's gradient norms and whole weights against one process."""
     per_step = [sum(step) / len(step) for step in zip(*[r[0] for r in results])]
