@@ -137,7 +137,8 @@ def test_zero_init_parameters_keep_their_muon_matrices():
     traffic = muon_traffic(spec, Layout(dp=2, zero_stage=3), Workload(16, 8, optimizer="muon"),
                            make_cluster("a100-80gb", 2, 8))
     assert [t.op for t in traffic] == ["gather", "scatter"]
-    wire = sum(t.bytes_per_step * 2 * (2 - 1) / 2 for t in traffic)  # every rank: (n - 1) / n of S
+    assert [t.calls for t in traffic] == [len(HIDDEN)] * 2  # one gather and one scatter per matrix's module
+    wire = sum(t.bytes_per_step * (2 - 1) / 2 for t in traffic)  # into or out of an owner: (n - 1) / n of S
     assert wire == pytest.approx(moved, rel=0.01)
 
 
