@@ -406,9 +406,8 @@ def context_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workloa
 def muon_traffic(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster) -> list[Traffic]:
     """Muon's whole-matrix gathers (trident.zero.muon, trident.optim.muon), in fp32, once per step.
 
-    Under ZeRO 1-3 every unit (stage 3: each matrix's module; stages 1-2: each gradient bucket
-    of the matrices, `trident.planner.muon.gather_units`) is gathered to its owner and its
-    update scattered back: per unit a collective of its whole fp32 buffer, 4 M / units bytes
+    Under ZeRO 1-3 every unit (a matrix, `trident.planner.muon.gather_units`) is gathered to its
+    owner and its update scattered back: per unit a collective of its whole fp32 buffer, 4 M / units bytes
     (M the elements of the stage's matrices on this rank: its layers / tp; norm gains and
     biases, < 1%, counted in), timed like an all-gather of it (the owner's link carries
     (n - 1) / n of it), one after the other. Tensor-parallel slices are then gathered whole
@@ -419,7 +418,7 @@ def muon_traffic(model: ModelSpec, layout: Layout, workload: Workload, cluster: 
     dp = group_span("dp", layout, cluster.gpus_per_node)
     out = []
     if layout.zero_stage and dp.size > 1:
-        units = gather_units(model, layout, workload)
+        units = gather_units(model, layout)
         unit = 4 * matrices / units
         one = units * collective_time("all_gather", unit, dp, cluster)
         out += [Traffic("dp", "gather", "Muon momenta to their owner ranks", unit, units, one, False),

@@ -11,8 +11,6 @@ this cost, and the owners run side by side (trident.zero.muon), so each does abo
 
 from __future__ import annotations
 
-import math
-
 from trident.planner.gemm import gemm_seconds
 from trident.planner.layout import Layout, Workload, stage_layers
 from trident.planner.presets import Cluster, ModelSpec
@@ -41,31 +39,32 @@ def stage_matrices(model: ModelSpec, layout: Layout) -> list[tuple[int, int, flo
 
 def newton_schulz_seconds(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster) -> float:
     """Seconds one rank spends in Newton-Schulz per optimizer step: its stage's matrices whole,
-    a dp-th of them under ZeRO (owners), in bf16 on a GPU and fp32 on a calibrated CPU (what
-    trident.optim.muon.newton_schulz_dtype picks)."""
+    under ZeRO the busiest owner's share (the matrices dealt largest first to the least loaded
+    dp rank, as trident.zero.muon deals them), in bf16 on a GPU and fp32 on a calibrated CPU
+    (what trident.optim.muon.newton_schulz_dtype picks)."""
     if workload.optimizer.lower() != "muon":
         return 0.0
     cal = cluster.calibration
     dtype_bytes = 4 if cal is not None and cal.device == "cpu" else 2
     curve = cluster.gpu.gemm_curve()
-    total = 0.0
+    costs = []
     for rows, cols, count in stage_matrices(model, layout):
         n, m = min(rows, cols), max(rows, cols)
-        one = (gemm_seconds(curve, n, n, m, dtype_bytes) + gemm_seconds(curve, n, n, n, dtype_bytes)
-               + gemm_seconds(curve, n, m, n, dtype_bytes))
-        total += NS_STEPS * one * count
+        one = NS_STEPS * (gemm_seconds(curve, n, n, m, dtype_bytes) + gemm_seconds(curve, n, n, n, dtype_bytes)
+                          + gemm_seconds(curve, n, m, n, dtype_bytes))
+        whole, part = divmod(count, 1.0)
+        costs += [one] * int(whole) + ([one * part] if part else [])
     owners = layout.dp * layout.cp if layout.zero_stage else 1
-    return total / owners
+    loads = [0.0] * owners
+    for cost in sorted(costs, reverse=True):
+        loads[loads.index(min(loads))] += cost
+    return max(loads)
 
 
-def gather_units(model: ModelSpec, layout: Layout, workload: Workload) -> int:
-    """Units ZeRO gathers to their owners per step (one gather and one scatter each): under
-    stage 3 each matrix's module, under stages 1-2 each gradient bucket of the Muon matrices."""
-    matrices = stage_matrices(model, layout)
-    if layout.zero_stage >= 3:
-        return max(1, round(sum(count for _, _, count in matrices)))
-    elements = sum(n * m * count for n, m, count in matrices) / layout.tp
-    return max(1, math.ceil(elements / workload.reduce_bucket_elems))
+def gather_units(model: ModelSpec, layout: Layout) -> int:
+    """Units ZeRO gathers to their owners per step, one gather and one scatter each: a unit per
+    matrix (stage 3: the matrix's module; stages 1-2 make Muon's matrices a unit each)."""
+    return matrices_per_stage(model, layout)
 
 
 def matrices_per_stage(model: ModelSpec, layout: Layout) -> int:

@@ -28,6 +28,7 @@ unit would move.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -72,6 +73,9 @@ class ShardedMuon:
         self.bytes_per_step = sum(2 * 4 * u.shard * (pg.comm.world - 1) for pg in groups for u in pg.layout.units)
         """fp32 bytes gathered to and scattered from the owners, over all ranks (each unit's
         other world - 1 shards, both ways)."""
+        self.seconds = {"gather": 0.0, "newton_schulz": 0.0, "scatter": 0.0}
+        """Host seconds of the last step's three phases (bench/muon.py compares them with the
+        planner on CPU ranks; on a GPU they time the launches, not the kernels)."""
 
     def owns(self, pg) -> bool:
         return any(pg is g for g in self.groups)
@@ -97,6 +101,8 @@ class ShardedMuon:
                         state["momentum_buffer"] = torch.zeros_like(m)
                     u_shards[u][start:end] = momentum_update(grad, state["momentum_buffer"], group["momentum"],
                                                              group["nesterov"])
+            if g == 0:
+                self.seconds = dict.fromkeys(self.seconds, 0.0)
             updates = self._orthogonalized_shards(g, pg, u_shards, group)
             for m, (u, start, end) in zip(pg.masters, pg.chunks):
                 apply_update(m, updates[u][start:end], group)
@@ -110,6 +116,7 @@ class ShardedMuon:
         owners = [self.owners[(g, unit.index)] for unit in units]
         wholes: dict[int, torch.Tensor] = {}
         handles = []
+        start = time.perf_counter()
         for unit, owner in zip(units, owners):
             parts = None
             if comm.rank == owner:
@@ -119,7 +126,9 @@ class ShardedMuon:
                                               logger=self.logger))
         for handle in handles:
             handle.wait()
+        gathered = time.perf_counter()
         outs = {i: self._orthogonalized(pg, units[i], whole, group) for i, whole in wholes.items()}
+        orthogonalized = time.perf_counter()
         shards = [torch.empty_like(u) for u in u_shards]
         handles = [collectives.scatter(shards[unit.index], list(outs[unit.index].split(unit.shard))
                                        if unit.index in outs else None, owner, group=comm.group, async_op=True,
@@ -127,6 +136,10 @@ class ShardedMuon:
                    for unit, owner in zip(units, owners)]
         for handle in handles:
             handle.wait()
+        done = time.perf_counter()
+        for phase, seconds in (("gather", gathered - start), ("newton_schulz", orthogonalized - gathered),
+                               ("scatter", done - orthogonalized)):
+            self.seconds[phase] += seconds
         return shards
 
     def _orthogonalized(self, pg, unit, whole: torch.Tensor, group: dict) -> torch.Tensor:
