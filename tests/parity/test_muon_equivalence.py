@@ -205,6 +205,39 @@ def test_muon_in_bf16_steps_the_fp32_masters(world, stage):
         assert_losses_close(losses, ref.losses, rtol=2e-2)
 
 
+def train_tp_bf16(user_built: bool):
+    """tp=2, bf16 weights with fp32 masters, stage 0; Muon from the config, or built by the user
+    from param groups that say `use_muon` themselves (Moonlight's way: no tags on the tensors)."""
+    from trident.optim import Muon
+    from trident.testing.parity import ADAMW_WEIGHT_DECAY
+    mesh = cached_mesh(tp=2)
+    model = make_model()
+    parallelize(model, TP_PLAN, mesh)
+    cfg = {**config(4), "tensor_parallel": {"size": 2}, "bf16": {"enabled": True}}
+    optimizer = None
+    if user_built:
+        cfg.pop("optimizer")
+        named = dict(model.named_parameters())
+        optimizer = Muon([{"params": [named[n] for n in HIDDEN], "use_muon": True},
+                          {"params": [p for n, p in named.items() if n not in HIDDEN], "use_muon": False}],
+                         lr=LR, weight_decay=ADAMW_WEIGHT_DECAY)
+    engine, _, _, _ = trident.initialize(model=model, optimizer=optimizer, config=cfg, mesh=mesh)
+    data = make_tokens(4)
+    for step in range(STEPS):
+        batch = data[step * 4:(step + 1) * 4]
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+        engine.step()
+    return {k: v.float() for k, v in full_state_dict(engine).items()}
+
+
+def test_user_built_muon_gathers_tp_slices_of_bf16_masters():
+    """The fp32 masters of tp slices carry the split for a Muon the user built too (untagged
+    tensors): the same weights as the config-built Muon, not slices orthogonalized alone."""
+    config_built = run_on_ranks(2, train_tp_bf16, False)
+    for got, want in zip(run_on_ranks(2, train_tp_bf16, True), config_built):
+        assert_state_close(got, want, rtol=1e-6)
+
+
 def train_part(root: str, stage: int, micro: int, first: int, last: int):
     """Steps first..last-1 of a global batch of 8 rows; loads `root` first unless first is 0,
     saves it afterwards unless last is STEPS."""

@@ -255,7 +255,7 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
             average_over=mesh.topology.size(DENSE_GRADIENT_AXES),
             comm_dtype=communication_dtype(cfg.communication_data_type, dtype))
             for group_params in (dense, experts) if group_params]
-        muon.carry_flags(master.mapping(), params)
+        muon.carry_flags(master.mapping(), params, optimizer)
         optimizer = _make_optimizer(optimizer, model_parameters, params, master, cfg)
         muon.check_muon_layout(optimizer, "none", mesh)
         names = {id(p): n for n, p in model.named_parameters()}
