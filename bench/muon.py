@@ -36,7 +36,8 @@ from token_loss import write_documents  # noqa: E402  (the same documents drawn 
 
 OPTIMIZERS = {
     "AdamW": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-    "Muon": {"type": "Muon", "params": {"lr": 1e-3, "weight_decay": 0.1, "adam_betas": [0.9, 0.95]}},
+    "Muon": {"type": "Muon", "params": {"lr": 1e-3, "weight_decay": 0.1, "adam_betas": [0.9, 0.95],
+                                        "adjust_lr": "match_rms_adamw"}},
 }
 
 

@@ -101,6 +101,29 @@ def test_config_builds_muon_with_its_params():
     assert resolved["momentum"] == 0.95 and resolved["nesterov"] is True and resolved["exclude"] == ["head"]
 
 
+def test_deepspeed_muon_config_reads_as_deepspeed_builds_it():
+    """DeepSpeed's engine (0.18+) builds MuonWithAuxAdam from `lr`, `momentum`, `weight_decay`,
+    `muon_lr` (Muon group) and `lr`, `betas`, `eps`, `weight_decay`, `adam_lr` (AdamW group),
+    with Keller Jordan's spectral scaling; unset rates are MuonWithAuxAdam's 0.02 and 3e-4."""
+    def groups(params):
+        opt = build_optimizer(OptimizerConfig(type="Muon", params=params),
+                              [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(4))])
+        return opt.param_groups
+    muon, adam = groups({"lr": 1e-3, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.1, "momentum": 0.9,
+                         "ns_method": "standard"})
+    assert (muon["lr"], muon["momentum"], muon["weight_decay"], muon["adjust_lr"]) == (1e-3, 0.9, 0.1, "spectral")
+    assert (adam["lr"], tuple(adam["betas"]), adam["eps"], adam["weight_decay"]) == (1e-3, (0.9, 0.98), 1e-8, 0.1)
+    muon, adam = groups({"lr": 1e-3, "muon_lr": 0.05})  # muon_lr overrides lr for the matrices only
+    assert (muon["lr"], adam["lr"]) == (0.05, 1e-3)
+    muon, adam = groups({"muon_lr": 0.05, "adam_lr": 2e-4})
+    assert (muon["lr"], adam["lr"]) == (0.05, 2e-4)
+    muon, adam = groups({})
+    assert (muon["lr"], adam["lr"], adam["eps"], muon["adjust_lr"]) == (0.02, 3e-4, 1e-10, "spectral")
+    issues = {i.path: i.message for i in check_optimizer("Muon", {"per_head_muon": True})}
+    assert "not supported" in issues["optimizer.params.per_head_muon"]
+    assert check_optimizer("Muon", {"betas": [0.9, 0.95], "adam_betas": [0.9, 0.95]})  # one name, not both
+
+
 def test_bad_muon_params_name_the_key():
     issues = {i.path: i.message for i in check_optimizer("Muon", {"adjust_lr": "rms", "exclude": ["("],
                                                                   "ns_steps": 0})}

@@ -15,9 +15,10 @@ Per Muon matrix W (n x m, higher-rank tensors viewed as n x prod(rest)), each st
                            ns_steps times X = a X + (b A + c A A) X with A = X X^T,
                            (a, b, c) = (3.4445, -4.7750, 2.0315)
     W = W * (1 - lr * weight_decay) - lr * ratio * O
-    ratio = 0.2 * sqrt(max(n, m))   (adjust_lr "match_rms_adamw": Moonlight, the update's RMS
+    ratio = sqrt(max(1, n / m))     (adjust_lr "spectral", the default: Keller Jordan's and
+                                     DeepSpeed's scaling)
+          = 0.2 * sqrt(max(n, m))   (adjust_lr "match_rms_adamw": Moonlight, the update's RMS
                                      matches AdamW's, so AdamW's lr and weight decay carry over)
-          = sqrt(max(1, n / m))     (adjust_lr "spectral": Keller Jordan's scaling)
 
 The three phases (`momentum_update`, `orthogonalize`, `apply_update`) are separate functions
 because only the middle one needs a matrix whole: the distributed step (trident.zero) runs
@@ -110,14 +111,14 @@ def adamw_update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) 
 
 class Muon(torch.optim.Optimizer):
     """Muon for the hidden matrices, AdamW (`adam_*`) for the rest; see the module docstring.
-    `adam_lr` / `adam_weight_decay` None: Muon's lr / weight_decay (Moonlight's setting, which
-    match_rms_adamw is made for)."""
+    `adam_lr` / `adam_weight_decay` None: Muon's lr / weight_decay. Defaults are DeepSpeed's
+    MuonWithAuxAdam's (lr 0.02, spectral scaling, AdamW eps 1e-10)."""
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
+    def __init__(self, params: Iterable, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  ns_steps: int = 5, weight_decay: float = 0.0,
-                 adjust_lr: Literal["match_rms_adamw", "spectral"] = "match_rms_adamw",
+                 adjust_lr: Literal["match_rms_adamw", "spectral"] = "spectral",
                  adam_lr: float | None = None, adam_betas: tuple[float, float] = (0.9, 0.95),
-                 adam_eps: float = 1e-8, adam_weight_decay: float | None = None) -> None:
+                 adam_eps: float = 1e-10, adam_weight_decay: float | None = None) -> None:
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"Muon adjust_lr must be one of {', '.join(ADJUST_LR)}, got {adjust_lr!r}")
         if lr < 0 or not 0 <= momentum < 1 or ns_steps < 1 or weight_decay < 0:
