@@ -188,3 +188,24 @@ def test_newton_schulz_runs_in_bf16_on_a_gpu_and_fp32_on_a_cpu():
     assert newton_schulz_dtype(torch.device("cuda", 0)) == torch.bfloat16
     assert newton_schulz_dtype(torch.device("cpu")) == torch.float32
     assert newton_schulz(torch.randn(8, 4, dtype=torch.float64), 5).dtype == torch.float32
+
+
+def test_stacked_experts_are_orthogonalized_one_matrix_each():
+    """`transformers` MoE layers hold every expert's matrix in one 3-D tensor (Mixtral's
+    experts.gate_up_proj: experts x 2 ff x d): Muon orthogonalizes each expert's matrix alone,
+    each scaled by its own shape, as DeepSpeed does for its expert groups."""
+    import transformers
+    from trident.optim.muon import orthogonalize
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=3)
+    model = transformers.MixtralForCausalLM(cfg)
+    flag_muon_params(model)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.muon_stacked and experts.down_proj.muon_stacked
+    assert not model.model.layers[0].self_attn.q_proj.weight.muon_stacked
+    u = torch.randn(3, 48, 16, generator=torch.Generator().manual_seed(0))
+    group = {"ns_steps": 5, "adjust_lr": "spectral"}
+    got = orthogonalize(u, (3, 48, 16), group, stacked=True)
+    for e in range(3):
+        torch.testing.assert_close(got[e], reference_ns(u[e], 5) * math.sqrt(48 / 16), rtol=1e-5, atol=1e-6)
+    assert (orthogonalize(u, (3, 48, 16), group) - got).abs().max() > 0.1  # one flat matrix would differ

@@ -37,7 +37,7 @@ def flag_model(cfg, model: torch.nn.Module) -> None:
                 len(muon), len(flags) - len(muon), ", ".join(matrices) or "none")
 
 
-_CARRIED = ("use_muon", "tensor_model_parallel", "tp_spec")
+_CARRIED = ("use_muon", "muon_stacked", "tensor_model_parallel", "tp_spec")
 
 
 def carry_flags(mapping: dict[int, torch.Tensor], params: list[torch.Tensor], optimizer=None) -> None:

@@ -55,13 +55,13 @@ def newton_schulz_dtype(device: torch.device) -> torch.dtype:
 
 
 def newton_schulz(u: torch.Tensor, steps: int) -> torch.Tensor:
-    """The orthogonalized matrix of `u` (2-D) by `steps` quintic iterations, in
-    `newton_schulz_dtype(u.device)`."""
+    """The orthogonalized matrix of `u` (2-D, or a batch of matrices along its leading
+    dimensions) by `steps` quintic iterations, in `newton_schulz_dtype(u.device)`."""
     x = u.to(newton_schulz_dtype(u.device))
-    tall = x.size(0) > x.size(1)
+    tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
-    x = x / (torch.linalg.matrix_norm(x) + 1e-7)  # spectral norm <= Frobenius norm <= 1
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
     a, b, c = NS_COEFFICIENTS
     for _ in range(steps):
         gram = x @ x.mT
@@ -84,10 +84,21 @@ def momentum_update(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nest
     return grad.add(buf, alpha=momentum) if nesterov else buf.clone()
 
 
-def orthogonalize(u: torch.Tensor, shape: tuple[int, ...], group: dict) -> torch.Tensor:
-    """NS(U) times the lr ratio, for a whole matrix of `shape` (its elements in any layout)."""
+def orthogonalize(u: torch.Tensor, shape: tuple[int, ...], group: dict, stacked: bool = False) -> torch.Tensor:
+    """NS(U) times the lr ratio, for a whole tensor of `shape` (its elements in any layout): one
+    matrix of shape[0] rows, or with `stacked` (experts stacked in one 3-D tensor) one matrix
+    per entry of the first dimension."""
+    if stacked:
+        matrices = u.reshape(shape)
+        ratio = lr_ratio(tuple(shape[1:]), group["adjust_lr"])
+        return newton_schulz(matrices, group["ns_steps"]).mul_(ratio).reshape(u.shape)
     matrix = u.reshape(shape[0], -1)
     return newton_schulz(matrix, group["ns_steps"]).mul_(lr_ratio(shape, group["adjust_lr"])).reshape(u.shape)
+
+
+def is_stacked(p: torch.Tensor) -> bool:
+    """Whether `p` holds a matrix per expert along its first dimension (`flag_muon_params`)."""
+    return bool(getattr(p, "muon_stacked", False))
 
 
 def apply_update(p: torch.Tensor, update: torch.Tensor, group: dict) -> None:
@@ -168,13 +179,13 @@ class Muon(torch.optim.Optimizer):
                 u = momentum_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
                 spec = tp_spec(p)
                 if spec is None:
-                    apply_update(p, orthogonalize(u, tuple(p.shape), group), group)
+                    apply_update(p, orthogonalize(u, tuple(p.shape), group, is_stacked(p)), group)
                     continue
-                apply_update(p, orthogonalize_tp_slice(u, spec, self.tp_group, group), group)
+                apply_update(p, orthogonalize_tp_slice(u, spec, self.tp_group, group, is_stacked(p)), group)
         return loss
 
 
-def orthogonalize_tp_slice(u: torch.Tensor, spec, tp_group, group: dict) -> torch.Tensor:
+def orthogonalize_tp_slice(u: torch.Tensor, spec, tp_group, group: dict, stacked: bool = False) -> torch.Tensor:
     """This rank's slice of the orthogonalized whole matrix, from every tensor-parallel rank's
     slice `u` (a collective over `tp_group`: each tp rank runs Newton-Schulz on the same whole
     matrix and keeps its own slice)."""
@@ -184,7 +195,7 @@ def orthogonalize_tp_slice(u: torch.Tensor, spec, tp_group, group: dict) -> torc
     shards = [torch.empty_like(u) for _ in range(spec.tp_size)]
     collectives.all_gather_list(shards, u.contiguous(), group=tp_group)
     whole = spec.merge(shards)
-    return spec.shard(orthogonalize(whole, tuple(whole.shape), group), dist.get_rank(tp_group))
+    return spec.shard(orthogonalize(whole, tuple(whole.shape), group, stacked), dist.get_rank(tp_group))
 
 
 def tp_spec(p: torch.Tensor):
@@ -204,12 +215,19 @@ def _ndim(p: torch.Tensor) -> int:
     return len(getattr(p, "_trident_shape", p.shape))
 
 
+STACKED_EXPERTS = re.compile(r"(^|\.)experts\.[^.]+$")
+"""A parameter held directly by an `experts` module: `transformers` MoE layers stack their
+experts' matrices in one 3-D tensor (Mixtral's `experts.gate_up_proj`: experts x 2 ff x d)."""
+
+
 def flag_muon_params(model: torch.nn.Module, exclude: Iterable[str] = DEFAULT_EXCLUDE) -> dict[str, bool]:
     """Set `use_muon` on every parameter of `model`: a matrix whose name matches none of the
-    `exclude` regexes. Returns name -> flag (what the start-up log reports)."""
+    `exclude` regexes; and `muon_stacked` on the 3-D ones an `experts` module holds (a matrix
+    per expert, each orthogonalized alone). Returns name -> flag (what the start-up log reports)."""
     patterns = [re.compile(e) for e in exclude]
     flags = {}
     for name, p in model.named_parameters():
         p.use_muon = _ndim(p) >= 2 and not any(rx.search(name) for rx in patterns)
+        p.muon_stacked = p.use_muon and _ndim(p) == 3 and bool(STACKED_EXPERTS.search(name))
         flags[name] = p.use_muon
     return flags

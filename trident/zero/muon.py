@@ -34,7 +34,8 @@ from typing import Callable
 import torch
 
 from trident.comm import collectives
-from trident.optim.muon import apply_update, momentum_update, orthogonalize, orthogonalize_tp_slice, tp_spec
+from trident.optim.muon import (apply_update, is_stacked, momentum_update, orthogonalize, orthogonalize_tp_slice,
+                                tp_spec)
 
 
 def muon_groups(optimizer: torch.optim.Optimizer, groups: list) -> list:
@@ -46,7 +47,8 @@ def assign_owners(groups: list) -> dict[tuple[int, int], int]:
     """(partition group position, unit index) -> owner rank in that group's dp group: units
     dealt largest Newton-Schulz cost first to the least loaded rank."""
     owners, loads = {}, {}
-    work = [(g, u, sum(_ns_cost(s.shape) for s in u.slots)) for g, pg in enumerate(groups) for u in pg.layout.units]
+    work = [(g, u, sum(_ns_cost(s.shape, is_stacked(pg.params[s.index])) for s in u.slots))
+            for g, pg in enumerate(groups) for u in pg.layout.units]
     work.sort(key=lambda guc: -guc[2])
     for g, unit, cost in work:
         load = loads.setdefault(groups[g].comm.world, [0] * groups[g].comm.world)
@@ -56,7 +58,10 @@ def assign_owners(groups: list) -> dict[tuple[int, int], int]:
     return owners
 
 
-def _ns_cost(shape: tuple[int, ...]) -> int:
+def _ns_cost(shape: tuple[int, ...], stacked: bool = False) -> int:
+    """Newton-Schulz's work on a tensor, up to a constant: n m min(n, m) per matrix."""
+    if stacked:
+        return shape[0] * _ns_cost(tuple(shape[1:]))
     n = shape[0]
     m = 1
     for d in shape[1:]:
@@ -148,10 +153,11 @@ class ShardedMuon:
         out = torch.zeros_like(whole)
         for slot in unit.slots:
             piece = slice(slot.offset, slot.offset + slot.numel)
-            spec = tp_spec(pg.params[slot.index])
+            param = pg.params[slot.index]
+            spec, stacked = tp_spec(param), is_stacked(param)
             if spec is None:
-                out[piece] = orthogonalize(whole[piece], slot.shape, group).reshape(-1)
+                out[piece] = orthogonalize(whole[piece], slot.shape, group, stacked).reshape(-1)
             else:
-                out[piece] = orthogonalize_tp_slice(whole[piece].view(slot.shape), spec, self.tp_group,
-                                                    group).reshape(-1)
+                out[piece] = orthogonalize_tp_slice(whole[piece].view(slot.shape), spec, self.tp_group, group,
+                                                    stacked).reshape(-1)
         return out
