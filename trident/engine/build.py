@@ -204,15 +204,14 @@ def _convert_fp8(model, cfg, mesh, device):
     if not cfg.fp8.enabled:
         return None
     import dataclasses
-    from trident.precision.fp8 import apply_fp8, check_fp8_hardware
+    from trident.precision.fp8 import apply_fp8, check_fp8_hardware, unconverted_matmuls
     from trident.tensor_parallel.fp8_convert import convert_tp_layers
     check_fp8_hardware(cfg.fp8, device)
     tp_converted, tp_kept = convert_tp_layers(model, cfg.fp8)  # tp-split layers: scales from tp-wide amaxes
     report = apply_fp8(model, cfg.fp8, device, allow_none=bool(tp_converted or tp_kept))
-    if tp_converted or tp_kept:
-        report = dataclasses.replace(report, converted=report.converted + tp_converted,
-                                     kept={**report.kept, **tp_kept})
-    return report
+    converted, kept = report.converted + tp_converted, {**report.kept, **tp_kept}
+    kept.update(unconverted_matmuls(model, set(converted) | set(kept)))
+    return dataclasses.replace(report, converted=converted, kept=kept)
 
 
 def _configure_activation_checkpointing(cfg, model, mesh) -> None:
