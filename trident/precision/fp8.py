@@ -76,9 +76,13 @@ def module_filter(cfg: FP8Config, kept: dict[str, str] | None = None) -> Callabl
     skip = [re.compile(p) for p in cfg.filter.skip]
     kept = {} if kept is None else kept
 
+    converted_already = float8_linear_class()
+
     def accept(module: nn.Module, name: str) -> bool:
         if not isinstance(module, nn.Linear):
             return True  # torchao asks about every module; only linear layers are converted
+        if isinstance(module, converted_already):
+            return False  # trident's Float8Conv1D (trident.precision.fp8_conv1d): converted already
         reason = keep_reason(cfg, name, module.weight.shape, convert, skip)
         if reason is not None:
             kept[name] = reason
