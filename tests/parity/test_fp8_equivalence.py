@@ -11,6 +11,9 @@ The same model trained without FP8 ends 2e-3 away, so the comparison sees the fl
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -45,25 +48,36 @@ def config(stage: int, fp8: dict = FP8, recompute: bool = False) -> dict:
             "activation_checkpointing": {"layers": [r"^blocks\.\d+$"] if recompute else []}}
 
 
-def reference(world: int, fp8: dict | None = FP8):
-    key = (world, repr(fp8))
+class Reference(NamedTuple):
+    """A single-process run: per-step losses and gradient norms (before clipping, float64), the
+    final weights and the weights after the first step."""
+
+    losses: list[float]
+    norms: list[float]
+    weights: dict[str, torch.Tensor]
+    first: dict[str, torch.Tensor]
+
+
+def reference(world: int, fp8: dict | None = FP8, momentum: float = 0.0, clip: float = 0.0) -> Reference:
+    key = (world, repr(fp8), momentum, clip)
     if key not in _REFERENCES:
-        _REFERENCES[key] = _reference(world, fp8)
+        _REFERENCES[key] = _reference(world, fp8, momentum, clip)
     return _REFERENCES[key]
 
 
 _REFERENCES: dict = {}
 
 
-def _reference(world: int, fp8: dict | None):
+def _reference(world: int, fp8: dict | None, momentum: float, clip: float) -> Reference:
     """torchao's conversion in one process (none for fp8=None): each rank's micro-batch in turn,
-    gradients averaged. Returns the losses, the final weights and the weights after the first step."""
+    gradients averaged, clipped by torch's rule (max / (norm + 1e-6) when < 1) when `clip` > 0,
+    then SGD (with `momentum`)."""
     model = make_model()
     if fp8 is not None:
         cfg = FP8Config(**fp8)
         convert_to_float8_training(model, module_filter_fn=module_filter(cfg), config=float8_config(cfg))
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    data, losses = tokens(world), []
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
+    data, losses, norms = tokens(world), [], []
     for step in range(STEPS):
         total = 0.0
         for rank in range(world):
@@ -71,12 +85,17 @@ def _reference(world: int, fp8: dict | None):
             loss = model(batch[:, :-1], batch[:, 1:])
             (loss / world).backward()
             total += loss.item() / world
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norms.append(math.sqrt(sum(float(g.double().square().sum()) for g in grads)))
+        if clip > 0 and clip / (norms[-1] + 1e-6) < 1.0:
+            for g in grads:
+                g.mul_(clip / (norms[-1] + 1e-6))
         opt.step()
         opt.zero_grad()
         losses.append(total)
         if step == 0:
             first = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, first
+    return Reference(losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, first)
 
 
 def train(stage: int, fp8: dict = FP8, recompute: bool = False):
@@ -104,8 +123,9 @@ def mean_losses(results) -> list[float]:
 @pytest.mark.parametrize("stage,recompute", [(0, False), (1, False), (2, True), (3, False), (3, True)])
 def test_fp8_data_parallel_matches_torchao_single_process(stage, recompute):
     """DP with ZeRO 0-3, with activation checkpointing of every block (FP8 casts recomputed)."""
-    ref_losses, ref_weights, _ = reference(2)
-    _, plain_weights, _ = reference(2, None)
+    ref = reference(2)
+    ref_losses, ref_weights = ref.losses, ref.weights
+    plain_weights = reference(2, None).weights
     assert max((plain_weights[k] - ref_weights[k]).abs().max() for k in ref_weights) > 1e-3  # FP8 is visible
     results = run_on_ranks(2, train, stage, FP8, recompute)
     assert_losses_close(mean_losses(results), ref_losses, rtol=1e-6)
@@ -137,7 +157,8 @@ def train_pipeline():
 
 
 def test_fp8_pipeline_matches_torchao_single_process():
-    ref_losses, ref_weights, _ = reference(2)  # the pipeline's 2 micro-batches are the reference's 2 "ranks"
+    ref = reference(2)  # the pipeline's 2 micro-batches are the reference's 2 "ranks"
+    ref_losses, ref_weights = ref.losses, ref.weights
     results = run_on_ranks(2, train_pipeline)
     assert [len(r[2]) for r in results] == [4, 4]  # each stage converts its block's four linear layers
     assert_losses_close(results[-1][0], ref_losses, rtol=1e-6)
@@ -240,7 +261,8 @@ def test_fp8_tensor_parallel_matches_torchao_single_process(sequence_parallel, r
     Measured: losses within 1.2e-7 (rowwise 3.4e-7); weights after the first step within 3e-8 for
     both recipes; after three, tensorwise within 3e-8 (with each rank's local amax instead 3.4e-3,
     so 1e-6 tells the two apart) and rowwise within 2.1e-4 (see ROWWISE_FINAL_TOL's note)."""
-    ref_losses, ref_weights, ref_first = reference(1, {**FP8, "recipe": recipe})
+    ref = reference(1, {**FP8, "recipe": recipe})
+    ref_losses, ref_weights, ref_first = ref.losses, ref.weights, ref.first
     results = run_on_ranks(2, train_tp, sequence_parallel, recipe)
     for losses, first, weights, report in results:
         assert sorted(report.converted) == sorted(n for n in ref_weights_names() if n != "lm_head")
@@ -272,7 +294,8 @@ def train_compiled():
 
 
 def test_fp8_compiled_matches_torchao_single_process():
-    ref_losses, ref_weights, _ = reference(1)
+    ref = reference(1)
+    ref_losses, ref_weights = ref.losses, ref.weights
     (losses, weights), = run_on_ranks(1, train_compiled)
     assert_losses_close(losses, ref_losses, rtol=1e-6)  # measured: identical, both blocks compiled, 0 breaks
     for k in ref_weights:
