@@ -14,7 +14,8 @@ from torchao.float8 import convert_to_float8_training  # the dev extra has torch
 from trident.config import load_config
 from trident.precision.fp8 import float8_config
 from trident.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from trident.tensor_parallel.fp8_convert import convert_tp_layers
+from trident.tensor_parallel.layers import ReplicatedHeadsLinear
+from trident.tensor_parallel.fp8_convert import REPLICATED_HEADS, convert_tp_layers
 from trident.testing.distributed import cached_mesh, run_on_ranks
 
 
@@ -72,3 +73,43 @@ def test_tp_layer_rowwise_scales_are_tp_wide(row):
     and 2.8e-2 (column-parallel input gradient)."""
     for diffs in run_on_ranks(2, layer_grads, "rowwise", row, True):
         assert max(diffs) < 1e-4, diffs
+
+
+def logged_all_reduces(fp8: bool) -> int:
+    """all_reduce calls the comms logger counts for one forward and backward of a column-parallel
+    layer (tensorwise), with or without FP8."""
+    from trident.comm.logger import CommsLogger
+    mesh = cached_mesh(tp=2)
+    logger = CommsLogger(enabled=True)
+    torch.manual_seed(0)
+    layer = nn.Sequential(ColumnParallelLinear.from_linear(nn.Linear(32, 48, bias=False), mesh, gather_output=True,
+                                                           logger=logger))
+    if fp8:
+        convert_tp_layers(layer, load_config({"fp8": {"enabled": True, "emulate": True}}).fp8)
+    layer(torch.randn(2, 8, 32, requires_grad=True)).sum().backward()
+    return logger.totals()["all_reduce"].calls
+
+
+def test_tp_amax_reductions_go_through_trident_comm():
+    """A column-parallel layer splits the weight and the output gradient: the weight's amax is
+    reduced for the forward and the input-gradient GEMMs, the output gradient's for the input- and
+    weight-gradient GEMMs -- four all-reduces the comms logger (and the hang detector) see, beside
+    the input gradient's one."""
+    for plain, fp8 in zip(run_on_ranks(2, logged_all_reduces, False), run_on_ranks(2, logged_all_reduces, True)):
+        assert (plain, fp8) == (1, 5)
+
+
+def convert_with_replicated_heads():
+    mesh = cached_mesh(tp=2)
+    model = nn.ModuleDict({"q": ColumnParallelLinear.from_linear(nn.Linear(32, 32, bias=False), mesh),
+                           "k": ReplicatedHeadsLinear.from_linear(nn.Linear(32, 16, bias=False), mesh, head_dim=16)})
+    converted, kept = convert_tp_layers(model, load_config({"fp8": {"enabled": True, "emulate": True}}).fp8)
+    return converted, kept, model["k"].fp8
+
+
+def test_replicated_kv_heads_stay_in_the_compute_dtype_and_are_reported():
+    """A kv head shared by several tp ranks gets from each only its query heads' share of the output
+    gradient: one process casts the summed gradient, which these ranks never hold before the GEMMs."""
+    for converted, kept, fp8 in run_on_ranks(2, convert_with_replicated_heads):
+        assert converted == ["q"] and fp8 is None
+        assert kept == {"k": REPLICATED_HEADS}
