@@ -5,16 +5,20 @@ The plain loop is what a user writes without trident: `torch.autocast(bfloat16)`
 `torch.optim.AdamW(fused=True)`, `clip_grad_norm_(1.0, foreach=True)` (and `torch.compile(model)`
 for the compiled row). trident runs the same model from the same seed with `bf16.enabled`,
 AdamW, `gradient_clipping: 1.0`, at ZeRO stage 0, 1, 2, 3, ZeRO-2 with `offload_optimizer: cpu`,
-and stage 0 with `compile.enabled`. Each system builds its model, takes WARMUP steps, then
-STEPS timed ones (CUDA events around each step; the median is reported); the model is freed
-before the next system. MFU = tokens/s x (6 N + 12 L d T) / peak bf16 FLOP/s, N counting the
-untied parameters once. Ratios are trident / plain in the same run on the same GPU.
+and stage 0 with `compile.enabled`; `fp8` and `fp8-compile` are stage 0 and compile with the `fp8`
+section added (torchao float8, tensorwise, the tied head kept in bf16). Each system builds its
+model, takes WARMUP steps, then STEPS timed ones (CUDA events around each step; the median is
+reported); the model is freed before the next system. MFU = tokens/s x (6 N + 12 L d T) / peak
+bf16 FLOP/s, N counting the untied parameters once. Ratios are trident / plain in the same run on the same GPU.
 
 Targets (issue 31): stage 0 >= 0.97x plain eager (MFU >= 45% at 1.3B), ZeRO-1/2 >= 0.95x,
 ZeRO-3 >= 0.90x, compile >= 0.95x plain compile, offload >= 2x the 8.2k tokens/s of 2026-11-27.
 It also prints the first 10 losses of offload beside stage 0's (bf16: they agree to ~1e-2).
+`--fp8` (issue 36) runs only the 1.3B model as stage0, fp8, compile and fp8-compile and prints FP8's
+tokens/s over bf16's, eager and compiled (H100 / H200: compute capability 8.9 or more).
 
     python bench/gpu.py [--models 124m,1.3b] [--systems ...] [--steps 10] [--out bench/results/gpu.md]
+    python bench/gpu.py --fp8 [--out bench/results/gpu_fp8.md]
 
 Needs CUDA (refuses without it); about 6 minutes on one H100 or H200 (bench/README.md, "On a GPU").
 """
@@ -38,7 +42,9 @@ MODELS = {
     "1.3b": dict(shape=dict(vocab_size=50304, seq_len=1024, n_layer=24, n_head=16, d_model=2048), micro=8),
 }
 SYSTEMS = ("plain", "plain-compile", "stage0", "zero1", "zero2", "zero3", "offload", "compile")
-SLOW = {("1.3b", "plain-compile"), ("1.3b", "compile")}  # compile time of a 1.3B model: left out by default
+FP8_SYSTEMS = ("stage0", "fp8", "compile", "fp8-compile")  # `--fp8`: each FP8 row beside its bf16 twin
+FP8_BASE = {"fp8": "stage0", "fp8-compile": "compile"}
+SLOW = {("1.3b", "plain-compile"), ("1.3b", "compile"), ("1.3b", "fp8-compile")}  # 1.3B compiles: left out by default
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 WARMUP = 3
 OFFLOAD_BEFORE = 8.2e3  # tokens/s of ZeRO-2 + offload on the 1.3B model, 2026-11-27 (H200)
@@ -51,15 +57,17 @@ def build(shape: dict, device: torch.device) -> torch.nn.Module:
 
 
 def trident_config(system: str, micro: int) -> dict:
-    stage = {"stage0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "offload": 2, "compile": 0}[system]
+    stage = {"stage0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "offload": 2}.get(system, 0)
     zero = {"stage": stage}
     if system == "offload":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 0,
               "bf16": {"enabled": True}, "gradient_clipping": 1.0, "zero_optimization": zero,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}}}
-    if system == "compile":
+    if system in ("compile", "fp8-compile"):
         config["compile"] = {"enabled": True}
+    if system in FP8_BASE:
+        config["fp8"] = {"enabled": True, "recipe": "tensorwise", "filter": {"skip": ["lm_head"]}}
     return config
 
 
@@ -132,7 +140,7 @@ def measure(model_name: str, system: str, steps: int, device: torch.device) -> d
 
 def predicted_ms(model_name: str, system: str, device: torch.device) -> float | None:
     """trident.planner's step time for a trident row (None for the plain ones or an unknown GPU)."""
-    if system.startswith("plain") or system == "compile":
+    if system.startswith("plain") or system.endswith("compile"):
         return None
     from trident.tools.gpu_device import gpu_preset_name
     from trident.models.gpt import GPTConfig
@@ -142,11 +150,11 @@ def predicted_ms(model_name: str, system: str, device: torch.device) -> float | 
     if gpu is None:
         return None
     spec = MODELS[model_name]
-    stage = {"stage0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "offload": 2}[system]
+    stage = {"stage0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "offload": 2, "fp8": 0}[system]
     layout = Layout(dp=1, micro_batch=spec["micro"], zero_stage=stage,
                     offload_optimizer="cpu" if system == "offload" else "none")
     workload = Workload(seq_len=spec["shape"]["seq_len"], global_batch=spec["micro"], precision="bf16",
-                        optimizer="adam")
+                        optimizer="adam", fp8=system == "fp8")
     shape = GPTConfig(**spec["shape"])
     return 1e3 * estimate(model_from_gpt_config(shape), layout, make_cluster(gpu, 1), workload).time.step
 
@@ -163,7 +171,7 @@ def peak_flops(device: torch.device) -> float:
 
 
 def ratio_row(r: dict, by: dict) -> str:
-    base = {"plain": None, "plain-compile": None, "compile": "plain-compile"}.get(r["system"], "plain")
+    base = {"plain": None, "plain-compile": None, "compile": "plain-compile", **FP8_BASE}.get(r["system"], "plain")
     ref = by.get((r["model"], base)) if base else None
     if r["system"] == "offload":
         return f"{r['tokens_s'] / OFFLOAD_BEFORE:.2f}x of 2026-11-27"
@@ -189,7 +197,20 @@ def report(results: list[dict], device: torch.device) -> str:
                       "", "| step | stage 0 | offload | rel. diff |", "| ---: | ---: | ---: | ---: |"]
             for i, (a, b) in enumerate(zip(base["losses"][:10], off["losses"][:10])):
                 lines.append(f"| {i + 1} | {a:.4f} | {b:.4f} | {abs(a - b) / abs(a):.1e} |")
+    lines += [f"\n{line}" for line in fp8_ratios(by)]
     return "\n".join(lines) + "\n"
+
+
+def fp8_ratios(by: dict) -> list[str]:
+    """FP8 over bf16 tokens/s for each model and mode measured both ways in this run."""
+    out = []
+    for (model, system), r in by.items():
+        base = by.get((model, FP8_BASE.get(system)))
+        if base:
+            mode = "compiled" if system.endswith("compile") else "eager"
+            out.append(f"{model} {mode}: fp8 {r['tokens_s'] / 1e3:.1f}k vs bf16 {base['tokens_s'] / 1e3:.1f}k "
+                       f"tokens/s = {r['tokens_s'] / base['tokens_s']:.2f}x")
+    return out
 
 
 def main() -> None:
@@ -198,8 +219,14 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--with-slow", action="store_true", help="also compile the 1.3B model")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu.md"))
+    parser.add_argument("--fp8", action="store_true",
+                        help=f"FP8 against bf16 on the 1.3B model: systems {','.join(FP8_SYSTEMS)} (compiles it)")
+    parser.add_argument("--out", default=None, help="markdown report (default bench/results/gpu.md, "
+                        "with --fp8 bench/results/gpu_fp8.md)")
     args = parser.parse_args()
+    if args.fp8:
+        args.models, args.systems, args.with_slow = "1.3b", ",".join(FP8_SYSTEMS), True
+    args.out = args.out or str(Path(__file__).parent / "results" / ("gpu_fp8.md" if args.fp8 else "gpu.md"))
     if not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA GPU (see bench/README.md, 'On a GPU')")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -220,6 +247,8 @@ def main() -> None:
             print(f"{model:>5} {system:>13}: {r['ms']:7.1f} ms  {r['tokens_s'] / 1e3:6.1f}k tok/s  "
                   f"MFU {100 * r['mfu']:4.1f}%  peak {r['peak_gib']:5.1f} GiB  ops {r['ops']}  "
                   f"syncs {r['syncs']}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    for line in fp8_ratios({(r["model"], r["system"]): r for r in results}):
+        print(line, flush=True)
     text = report(results, device)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

@@ -99,7 +99,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the model trains with dropout (its masks are kept and moved); default: a model config's "
                         "dropout probabilities (GPT-2's attn_pdrop / resid_pdrop, ...) when one is above 0, else none")
     p.add_argument("--fp8", action="store_true", default=False,
-                   help="price the layers' dense GEMMs at the GPU's FP8 rate (the config's fp8.enabled does too)")
+                   help="price the layers' dense GEMMs at the GPU's FP8 rate and their float8 casts at its memory "
+                        "bandwidth (the config's fp8.enabled does too)")
     p.add_argument("--lora-r", type=positive_int, default=None,
                    help="LoRA fine-tuning with adapters of this rank (default: full training, or --config's lora.r)")
     p.add_argument("--lora-targets", type=_lora_targets, default=DEFAULT_LORA_TARGETS,

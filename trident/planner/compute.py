@@ -17,7 +17,8 @@ a fixed cost per kernel: `KERNELS_FORWARD` + `KERNELS_BACKWARD` kernels at
 makes small layers slower than their FLOPs say. The loss adds its memory-bound passes over the
 [T, V / t] logits in fp32 (`LOSS_PASSES`): with a 50k vocabulary and a narrow model they cost
 as much as several layers. With `Workload.fp8` the four dense GEMMs of a layer go at the GPU's FP8 peak
-(`GPUSpec.fp8_gemm_curve()`), where it has FP8 units. A calibrated device prices fused attention
+(`GPUSpec.fp8_gemm_curve()`), where it has FP8 units, and their operands' float8 casts are added at
+the memory bandwidth (`fp8_cast_bytes`). A calibrated device prices fused attention
 at the rate measured for its kernel (`GPUSpec.attention_rates`, by head width): on a CPU it
 runs at about half the GEMM rate, and much slower still for narrow heads.
 """
@@ -75,6 +76,28 @@ def layer_gemms(model: ModelSpec, layout: Layout, workload: Workload) -> list[tu
             (s_local, d, workload.seq_len, layout.micro_batch * heads)]
 
 
+FP8_CAST_PASSES = (2, 1)
+"""(reads, writes) of one dynamic float8 cast of an operand of e-byte elements: its amax pass reads
+it, the scale-and-cast pass reads it again and writes the 1-byte float8 copy (torchao's casts;
+inductor may fuse the amax into the kernel that produced the operand, so this errs slow)."""
+
+
+def fp8_cast_bytes(model: ModelSpec, layout: Layout, workload: Workload) -> tuple[float, float]:
+    """HBM bytes of one layer's float8 casts on one rank, (forward, backward).
+
+    A linear layer y = x w^T ([m, k] x [k, n]) casts x and w for the forward GEMM, the output
+    gradient [m, n] and w for the input gradient, and the output gradient and x again (scaled
+    along the other dimension) for the weight gradient: torchao casts each GEMM's operands from
+    the 16-bit tensors, six casts per layer. Each moves (2 e + 1) bytes per element."""
+    reads, writes = FP8_CAST_PASSES
+    per_element = reads * workload.activation_bytes + writes
+    fwd = bwd = 0.0
+    for m, n, k, count in layer_gemms(model, layout, workload)[:4]:
+        fwd += count * (m * k + n * k) * per_element
+        bwd += count * (2 * m * n + n * k + m * k) * per_element
+    return fwd, bwd
+
+
 def _fwd_bwd(curve, m: float, n: float, k: float, count: float, e: int) -> tuple[float, float]:
     fwd = gemm_seconds(curve, m, n, k, e, count)
     bwd = gemm_seconds(curve, m, k, n, e, count) + gemm_seconds(curve, k, n, m, e, count)
@@ -93,10 +116,14 @@ def micro_batch_compute(model: ModelSpec, layout: Layout, workload: Workload, cl
     flash = attention_kind(layout, workload) == "flash"
     gemms = layer_gemms(model, layout, workload)
     dense, attention = gemms[:4], gemms[4:]
-    dense_curve = (g.fp8_gemm_curve() if workload.fp8 else None) or curve  # `fp8`: at the FP8 rate where there is one
+    fp8_curve = g.fp8_gemm_curve() if workload.fp8 else None  # `fp8`: at the FP8 rate where there is one
     for m, n, k, count in dense:
-        f, b = _fwd_bwd(dense_curve, m, n, k, count, e)
+        f, b = _fwd_bwd(fp8_curve or curve, m, n, k, count, e)
         fwd_layer, bwd_layer = fwd_layer + f, bwd_layer + b
+    if fp8_curve is not None:
+        cast_f, cast_b = fp8_cast_bytes(model, layout, workload)
+        fwd_layer += cast_f / (g.hbm_bandwidth * g.memory_efficiency)
+        bwd_layer += cast_b / (g.hbm_bandwidth * g.memory_efficiency)
     if flash and g.attention_rates:  # the fused kernel at its measured rate
         flops = sum(2.0 * m * n * k * count for m, n, k, count in attention)
         rate = attention_rate(g.attention_rates, model.d_model / model.n_head)

@@ -132,7 +132,8 @@ class Workload:
     fp8: bool = False
     """The layers' dense GEMMs (qkv, attention out, MLP in and out, forward and backward) run in
     float8 (the `fp8` section) at the GPU's FP8 rate; attention's batched GEMMs and the head stay
-    16-bit. The casts' element-wise passes (amax and scale per operand) are not priced yet."""
+    16-bit; the casts' element-wise passes are priced at the memory bandwidth
+    (`trident.planner.compute.fp8_cast_bytes`)."""
 
     def __post_init__(self) -> None:
         if self.cp_method not in CP_METHODS:

@@ -3,10 +3,15 @@
 torchao's `Float8Linear` scales each operand by its own amax. A tp rank holds only a slice of
 the weight (and, in a row-parallel layer, of the input; in a column-parallel layer, of the
 output gradient), so its local amax would give other scales than the whole matrix does. Here
-each split operand's amax is reduced (max) over the tp group before its scale is taken --
-torchao's own `reduce_amax` path, pointed at trident's group -- so every rank casts with the
-single-process scale. Tensorwise and rowwise: a rowwise scale (one per row, its amax taken
-along one dimension) is reduced over tp only where that dimension is the split one.
+each split operand's amax is reduced (max) over the tp group before its scale is taken, so every
+rank casts with the single-process scale. Tensorwise and rowwise: a rowwise scale (one per row,
+its amax taken along one dimension) is reduced over tp only where that dimension is the split one.
+
+The reduction goes through trident.comm (the layer's comms logger and the hang detector's flight
+recorder see it, as they see the tp mappings), except while torch.compile traces the layer: there
+it is torch's functional all-reduce, which dynamo captures in the graph (torchao's own
+`reduce_amax` path), where trident's collective would be a graph break inside the autograd
+Function and leave the casts uncompiled. The casts themselves are torchao's.
 """
 
 from __future__ import annotations
@@ -16,35 +21,27 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-
-@dataclasses.dataclass(frozen=True)
-class _GroupMesh:
-    """What torchao's amax reduction asks of a device mesh: its process group."""
-
-    group: dist.ProcessGroup
-
-    def get_group(self) -> dist.ProcessGroup:
-        return self.group
+from trident.comm import collectives
 
 
 @dataclasses.dataclass(frozen=True)
 class TPFloat8:
     """A tp layer's FP8 settings: torchao's config and GEMM configs, and which operands are split
-    over tp (their amax is reduced over `mesh`)."""
+    over tp (their amax is reduced over `tp`, the layer's TPHandle: its group and comms logger)."""
 
     config: object            # torchao Float8LinearConfig
     mm_config: object         # torchao LinearMMConfig
-    mesh: _GroupMesh
+    tp: object                # trident.tensor_parallel.layers.TPHandle
     input_split: bool
     grad_output_split: bool
 
 
-def tp_float8(config, group: dist.ProcessGroup, *, input_split: bool, grad_output_split: bool) -> TPFloat8:
-    """Settings for one tp layer under torchao `config` (tensorwise; emulate as configured)."""
+def tp_float8(config, tp, *, input_split: bool, grad_output_split: bool) -> TPFloat8:
+    """Settings for one tp layer (`tp`: its TPHandle) under torchao `config` (emulate as configured)."""
     from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
     g = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
     mm = LinearMMConfig(*(ScaledMMConfig(config.emulate, c.use_fast_accum, False, config.pad_inner_dim) for c in g))
-    return TPFloat8(config, mm, _GroupMesh(group), input_split, grad_output_split)
+    return TPFloat8(config, mm, tp, input_split, grad_output_split)
 
 
 def _cast(t: torch.Tensor, cast_config, fp8: TPFloat8, role, axis: int, split_dim: int | None):
@@ -52,14 +49,26 @@ def _cast(t: torch.Tensor, cast_config, fp8: TPFloat8, role, axis: int, split_di
     slice along `axis` (rowwise: the amax is taken over dimension `axis`). The amax is reduced over
     tp when the dimensions it covers include `split_dim`, the one split over tp (None: none is)."""
     from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
     tensorwise = cast_config.scaling_granularity is ScalingGranularity.TENSORWISE
-    reduce = split_dim is not None and (tensorwise or axis % 2 == split_dim % 2)
-    return hp_tensor_to_float8_dynamic(t, cast_config.target_dtype, fp8.mm_config, reduce_amax=reduce,
-                                       gemm_input_role=role, device_mesh=fp8.mesh if reduce else None,
-                                       scaling_granularity=cast_config.scaling_granularity,
-                                       axiswise_dim=None if tensorwise else axis,
-                                       round_scales_to_power_of_2=fp8.config.round_scales_to_power_of_2)
+    axiswise_dim = None if tensorwise else axis
+    amax = tensor_to_amax(t, scaling_granularity=cast_config.scaling_granularity, axiswise_dim=axiswise_dim)
+    if split_dim is not None and (tensorwise or axis % 2 == split_dim % 2):
+        amax = _max_over_tp(amax, fp8.tp)
+    scale = amax_to_scale(amax, cast_config.target_dtype, fp8.config.round_scales_to_power_of_2)
+    return hp_tensor_and_scale_to_float8(t, scale, cast_config.target_dtype, fp8.mm_config, role, axiswise_dim)
+
+
+def _max_over_tp(amax: torch.Tensor, tp) -> torch.Tensor:
+    """The elementwise max of every tp rank's `amax` (see the module docstring for the two paths)."""
+    if torch.compiler.is_compiling():
+        from torch.distributed import _functional_collectives as funcol
+        out = funcol.all_reduce(amax, "MAX", tp.group)
+        return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    out = amax.contiguous().clone()
+    collectives.all_reduce(out, dist.ReduceOp.MAX, group=tp.group, logger=tp.logger)
+    return out
 
 
 class _TPFloat8Matmul(torch.autograd.Function):
