@@ -47,25 +47,25 @@ def config(stage: int, fp8: dict = FP8, recompute: bool = False) -> dict:
             "activation_checkpointing": {"layers": [r"^blocks\.\d+$"] if recompute else []}}
 
 
-def reference(world: int, fp8: dict | None = FP8):
-    key = (world, repr(fp8))
+def reference(world: int, fp8: dict | None = FP8, momentum: float = 0.0, clip: float = 0.0):
+    key = (world, repr(fp8), momentum, clip)
     if key not in _REFERENCES:
-        _REFERENCES[key] = _reference(world, fp8)
+        _REFERENCES[key] = _reference(world, fp8, momentum, clip)
     return _REFERENCES[key]
 
 
 _REFERENCES: dict = {}
 
 
-def _reference(world: int, fp8: dict | None):
+def _reference(world: int, fp8: dict | None, momentum: float = 0.0, clip: float = 0.0):
     """torchao's conversion in one process (none for fp8=None): each rank's micro-batch in turn,
-    gradients averaged."""
+    gradients averaged (and clipped to norm `clip` with torch's clip_grad_norm_ when above 0)."""
     model = make_model()
     if fp8 is not None:
         from torchao.float8 import convert_to_float8_training
         cfg = FP8Config(**fp8)
         convert_to_float8_training(model, module_filter_fn=module_filter(cfg), config=float8_config(cfg))
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     data, losses = tokens(world), []
     for step in range(STEPS):
         total = 0.0
@@ -74,6 +74,8 @@ def _reference(world: int, fp8: dict | None):
             loss = model(batch[:, :-1], batch[:, 1:])
             (loss / world).backward()
             total += loss.item() / world
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(total)

@@ -271,7 +271,8 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
     names = {id(p): n for n, p in model.named_parameters()}
     strategy = ZeroOptimizer(zero.stage, optimizer, names, mesh, zero, dtype, cfg.gradient_predivide_factor,
                              cfg.prescale_gradients, comms_logger, model=model, aio=cfg.aio, frozen=frozen,
-                             comm_dtype=communication_dtype(cfg.communication_data_type, dtype))
+                             comm_dtype=communication_dtype(cfg.communication_data_type, dtype),
+                             fp8_gather=cfg.fp8.enabled and cfg.fp8.all_gather)
     return None, strategy, optimizer
 
 
