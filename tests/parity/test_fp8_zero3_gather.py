@@ -5,6 +5,7 @@ Each weight shard is cast with the scale of the whole weight (one all-reduce of 
 amaxes), so the gathered bytes are torchao's cast of the whole weight and the runs agree to
 1e-6 (2 gloo ranks, fp32, SGD with momentum and active gradient clipping; the reference is
 tests/parity/test_fp8_equivalence.py's, each rank's micro-batch in turn in one process).
+Measured: equal; scaling each shard by its own amax instead puts the losses 1e-4 away.
 """
 
 from __future__ import annotations

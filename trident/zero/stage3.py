@@ -135,8 +135,9 @@ class Stage3Coordinator:
             self._launch_batch(batch, mode)
 
     def _mode(self, key: _Key, exact: bool) -> str:
-        """How a unit is gathered: from the whole group (PLAIN), as int8 blocks (QUANT, qwZ), or
-        from the secondary shards inside the node (NODE, hpZ)."""
+        """How a unit is gathered: from the whole group (PLAIN), as int8 blocks (QUANT, qwZ),
+        from the secondary shards inside the node (NODE, hpZ), or as float8 bytes (FP8, a
+        Float8Linear's weight under fp8.all_gather)."""
         if exact:
             return PLAIN
         if self.fp8 is not None and key in self.fp8.modules:
