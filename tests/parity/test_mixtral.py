@@ -13,11 +13,15 @@ from __future__ import annotations
 import pytest
 import transformers
 
+import trident
 from tests.parity.test_pp_hf import CONFIGS, MICRO, check, make, train_pp
-from tests.parity.test_tp_hf import check_tp
+from tests.parity.test_tp_hf import BATCH, check_tp, tokens
+from tests.parity.test_tp_hf import make as make_loss
+from trident.engine.full_state import full_state_dict
 from trident.parallel.adapter import adapter_for
 from trident.pipeline import from_hf
-from trident.testing.distributed import run_on_ranks
+from trident.testing.distributed import cached_mesh, run_on_ranks
+from trident.testing.parity import assert_losses_close, assert_state_close, optimizer_section, train_serial
 
 
 def test_mixtral_under_tp2_matches_one_process():
@@ -42,3 +46,34 @@ def test_router_loss_refuses_pipeline_and_context_parallelism():
         from_hf(model, 2, stage_id=0)
     with pytest.raises(ValueError, match=r"output_router_logits=True .*context parallelism"):
         adapter_for(model).parallelize_context(cp=None)
+
+
+MUON_LR, MUON_CLIP = 3e-3, 0.05
+
+
+def train_muon(stage: int):
+    """Muon over dp 2 under ZeRO `stage`: each rank its rows of every batch."""
+    mesh = cached_mesh()
+    micro = BATCH // mesh.dp_size
+    cfg = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 0, "gradient_clipping": MUON_CLIP,
+           "optimizer": optimizer_section("muon", MUON_LR), "zero_optimization": {"stage": stage}}
+    engine, *_ = trident.initialize(model=make_loss("mixtral"), config=cfg, mesh=mesh)
+    losses = []
+    for batch in tokens().split(BATCH):
+        engine.backward(engine(batch[mesh.dp_rank * micro:(mesh.dp_rank + 1) * micro]))
+        engine.step()
+        losses.append(engine.last_loss)
+    return losses, {k: v.float() for k, v in full_state_dict(engine).items()}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_mixtral_muon_orthogonalizes_each_expert_under_zero(stage):
+    """Mixtral's experts stacked in 3-D tensors: each expert's matrix orthogonalized alone, on its
+    unit's owner under ZeRO-3 (dp 2, clipping active), as one process does."""
+    ref = train_serial(make_loss("mixtral"), [(b,) for b in tokens().split(BATCH)], "muon", MUON_LR, MUON_CLIP)
+    assert max(ref.clip_coefs) < 1.0
+    results = run_on_ranks(2, train_muon, stage)
+    assert_losses_close([sum(s) / 2 for s in zip(*[r[0] for r in results])], ref.losses, rtol=1e-5)
+    for _, weights in results:
+        assert weights.keys() == ref.weights.keys()
+        assert_state_close(weights, ref.weights, rtol=1e-5)

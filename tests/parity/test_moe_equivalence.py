@@ -25,13 +25,13 @@ from trident.testing.parity import (SerialRun, assert_losses_close, assert_norms
 
 STEPS = 8
 MODEL = dict(vocab_size=61, seq_len=16, n_layer=2, n_head=2, d_model=32, dropout=0.0, bias=False)
-OPT_LR = {"adamw": 3e-3, "sgd": 0.5}
+OPT_LR = {"adamw": 3e-3, "sgd": 0.5, "muon": 3e-3}
 SGD_CLIP = 0.05  # below the gradient norm on every step
 # AdamW weights at 5e-5: Adam divides each element's step by its own gradient's size, so elements
 # whose gradient is near zero turn rounding differences (an expert's batch summed from two ranks'
 # rows, tokens combined in another order) into visible steps. SGD with active clipping, which
 # exposes any scaling error, holds 1e-5 for weights and 1e-6 for the global norm.
-WEIGHT_RTOL = {"adamw": 5e-5, "sgd": 1e-5}
+WEIGHT_RTOL = {"adamw": 5e-5, "sgd": 1e-5, "muon": 1e-5}
 NO_DROP = 8.0    # capacity_factor with room for every token on one expert: nothing drops
 
 
@@ -173,6 +173,14 @@ def test_dp2_ep2_zero_matches_one_process(stage):
 
 def test_dp2_ep2_stage0_matches_one_process():
     run_case(4, moe_spec(4, 1, 1.0), 2, 2, 0.0, "adamw")
+
+
+@pytest.mark.parametrize("world,stage", [(2, 0), (4, 2), (4, 3)])
+def test_muon_with_experts_matches_one_process(world, stage):
+    """Muon on each expert's matrices, the router's and the dense ones (AdamW for the embeddings
+    and norms), clipping active. Under ZeRO the experts' matrices go to owners in their own dp
+    group, the dense ones to owners in dp x ep."""
+    run_case(world, moe_spec(4, 2, NO_DROP), 2, 8 // world, SGD_CLIP, "muon", stage=stage)
 
 
 def test_ep2_x_tp2_matches_one_process():

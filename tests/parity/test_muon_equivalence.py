@@ -96,6 +96,14 @@ def test_muon_tp2_gathers_each_slice_whole(stage):
     check(run_on_ranks(2, train_dp, 4, stage, 2), ref, 1)
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_muon_dp2_tp2_matches_one_process(stage):
+    """4 ranks, dp 2 x tp 2: under ZeRO-3 a matrix's owner is a dp rank, and the two owners of its
+    tp slices (the same dp rank on each tp rank) gather them whole over tp; under stage 0 every dp
+    replica orthogonalizes its slices' wholes itself."""
+    check(run_on_ranks(4, train_dp, 4, stage, 2), serial_reference(8), 2)
+
+
 def check(results, ref: SerialRun, dp: int) -> None:
     """Losses, every rank's gradient norms and whole weights against one process."""
     per_step = [sum(step) / len(step) for step in zip(*[r[0] for r in results])]
@@ -129,7 +137,8 @@ def test_zero_init_parameters_keep_their_muon_matrices():
     traffic = muon_traffic(spec, Layout(dp=2, zero_stage=3), Workload(16, 8, optimizer="muon"),
                            make_cluster("a100-80gb", 2, 8))
     assert [t.op for t in traffic] == ["gather", "scatter"]
-    wire = sum(t.bytes_per_step * 2 * (2 - 1) / 2 for t in traffic)  # every rank: (n - 1) / n of S
+    assert [t.calls for t in traffic] == [len(HIDDEN)] * 2  # one gather and one scatter per matrix's module
+    wire = sum(t.bytes_per_step * (2 - 1) / 2 for t in traffic)  # into or out of an owner: (n - 1) / n of S
     assert wire == pytest.approx(moved, rel=0.01)
 
 
@@ -194,6 +203,39 @@ def test_muon_in_bf16_steps_the_fp32_masters(world, stage):
     for losses, count, dtypes in run_on_ranks(world, train_bf16, stage):
         assert dtypes == {torch.float32} and (count == len(HIDDEN) if stage == 0 else count > 0)
         assert_losses_close(losses, ref.losses, rtol=2e-2)
+
+
+def train_tp_bf16(user_built: bool):
+    """tp=2, bf16 weights with fp32 masters, stage 0; Muon from the config, or built by the user
+    from param groups that say `use_muon` themselves (Moonlight's way: no tags on the tensors)."""
+    from trident.optim import Muon
+    from trident.testing.parity import ADAMW_WEIGHT_DECAY
+    mesh = cached_mesh(tp=2)
+    model = make_model()
+    parallelize(model, TP_PLAN, mesh)
+    cfg = {**config(4), "tensor_parallel": {"size": 2}, "bf16": {"enabled": True}}
+    optimizer = None
+    if user_built:
+        cfg.pop("optimizer")
+        named = dict(model.named_parameters())
+        optimizer = Muon([{"params": [named[n] for n in HIDDEN], "use_muon": True},
+                          {"params": [p for n, p in named.items() if n not in HIDDEN], "use_muon": False}],
+                         lr=LR, weight_decay=ADAMW_WEIGHT_DECAY)
+    engine, _, _, _ = trident.initialize(model=model, optimizer=optimizer, config=cfg, mesh=mesh)
+    data = make_tokens(4)
+    for step in range(STEPS):
+        batch = data[step * 4:(step + 1) * 4]
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+        engine.step()
+    return {k: v.float() for k, v in full_state_dict(engine).items()}
+
+
+def test_user_built_muon_gathers_tp_slices_of_bf16_masters():
+    """The fp32 masters of tp slices carry the split for a Muon the user built too (untagged
+    tensors): the same weights as the config-built Muon, not slices orthogonalized alone."""
+    config_built = run_on_ranks(2, train_tp_bf16, False)
+    for got, want in zip(run_on_ranks(2, train_tp_bf16, True), config_built):
+        assert_state_close(got, want, rtol=1e-6)
 
 
 def train_part(root: str, stage: int, micro: int, first: int, last: int):

@@ -204,15 +204,18 @@ def _convert_fp8(model, cfg, mesh, device):
     if not cfg.fp8.enabled:
         return None
     import dataclasses
-    from trident.precision.fp8 import apply_fp8, check_fp8_hardware
+    from trident.precision.fp8 import apply_fp8, check_fp8_hardware, unconverted_matmuls
+    from trident.precision.fp8_conv1d import convert_conv1d
     from trident.tensor_parallel.fp8_convert import convert_tp_layers
     check_fp8_hardware(cfg.fp8, device)
     tp_converted, tp_kept = convert_tp_layers(model, cfg.fp8)  # tp-split layers: scales from tp-wide amaxes
+    conv_converted, conv_kept = convert_conv1d(model, cfg.fp8)  # transformers' Conv1D (GPT-2)
+    tp_converted, tp_kept = tp_converted + conv_converted, {**tp_kept, **conv_kept}
     report = apply_fp8(model, cfg.fp8, device, allow_none=bool(tp_converted or tp_kept))
-    if tp_converted or tp_kept:
-        report = dataclasses.replace(report, converted=report.converted + tp_converted,
-                                     kept={**report.kept, **tp_kept})
-    return report
+    converted = list(dict.fromkeys(report.converted + tp_converted))  # Float8Conv1D is a Float8Linear too
+    kept = {**report.kept, **tp_kept}
+    kept.update(unconverted_matmuls(model, set(converted) | set(kept)))
+    return dataclasses.replace(report, converted=converted, kept=kept)
 
 
 def _configure_activation_checkpointing(cfg, model, mesh) -> None:
@@ -255,7 +258,7 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
             average_over=mesh.topology.size(DENSE_GRADIENT_AXES),
             comm_dtype=communication_dtype(cfg.communication_data_type, dtype))
             for group_params in (dense, experts) if group_params]
-        muon.carry_flags(master.mapping(), params)
+        muon.carry_flags(master.mapping(), params, optimizer)
         optimizer = _make_optimizer(optimizer, model_parameters, params, master, cfg)
         muon.check_muon_layout(optimizer, "none", mesh)
         names = {id(p): n for n, p in model.named_parameters()}

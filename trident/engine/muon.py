@@ -37,15 +37,18 @@ def flag_model(cfg, model: torch.nn.Module) -> None:
                 len(muon), len(flags) - len(muon), ", ".join(matrices) or "none")
 
 
-_CARRIED = ("use_muon", "tensor_model_parallel", "tp_spec")
+_CARRIED = ("use_muon", "muon_stacked", "tensor_model_parallel", "tp_spec")
 
 
-def carry_flags(mapping: dict[int, torch.Tensor], params: list[torch.Tensor]) -> None:
-    """Give each master copy of a tagged parameter its `use_muon` tag and tensor-parallel split
-    (untagged runs keep their masters as they were)."""
+def carry_flags(mapping: dict[int, torch.Tensor], params: list[torch.Tensor], optimizer=None) -> None:
+    """Give each master copy of a tagged parameter its `use_muon` tag and tensor-parallel split,
+    and every master its split when the user built a Muon (whose param groups may say
+    `use_muon` without tagging the tensors): Muon must gather a slice whole, not orthogonalize
+    it alone. Other runs keep their masters as they were."""
+    user_muon = isinstance(optimizer, Muon)
     for p in params:
         master = mapping.get(id(p))
-        if master is not None and master is not p and hasattr(p, "use_muon"):
+        if master is not None and master is not p and (user_muon or hasattr(p, "use_muon")):
             for attr in (a for a in _CARRIED if hasattr(p, a)):
                 setattr(master, attr, getattr(p, attr))
 

@@ -239,23 +239,62 @@ def _check_regexes(value: Any) -> list[str]:
 
 
 class MuonParams(Section):
-    """`params` of Muon (trident.optim.muon): Muon for hidden matrices, AdamW (`adam_*`) for the rest."""
+    """`params` of Muon (trident.optim.muon): Muon for hidden matrices, AdamW (`adam_*`) for the rest.
 
-    lr: float = Field(1e-3, ge=0, description="Muon's learning rate (scaled per matrix by adjust_lr).")
+    Defaults and spellings are DeepSpeed's (its MuonWithAuxAdam, Keller Jordan's Muon): `lr` is
+    both groups' rate (Muon 0.02 and AdamW 3e-4 when unset), `muon_lr` / `adam_lr` override it
+    for one group, `betas` / `eps` are AdamW's (also spelled `adam_betas` / `adam_eps`), and the
+    matrices' update is scaled by sqrt(max(1, n / m)) (`adjust_lr: "spectral"`)."""
+
+    lr: float = Field(0.02, ge=0, description=(
+        "Muon's learning rate (scaled per matrix by adjust_lr), and AdamW's unless adam_lr is set; `muon_lr` "
+        "(DeepSpeed's spelling) sets Muon's alone."))
     momentum: float = Field(0.95, ge=0, lt=1, description="Momentum of the matrices' gradient average.")
     nesterov: bool = Field(True, description="Orthogonalize g + momentum * buffer instead of the buffer.")
     ns_steps: int = Field(5, ge=1, description="Newton-Schulz iterations per orthogonalization.")
+    ns_method: Literal["gram", "standard"] = Field("gram", description=(
+        "DeepSpeed's choice of iteration; Gram Newton-Schulz and the standard quintic compute the same "
+        "orthogonalization, and trident runs the standard quintic for both."))
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay of the Muon matrices.")
-    adjust_lr: Literal[ADJUST_LR] = Field("match_rms_adamw", description=(
-        "Per-matrix lr factor: match_rms_adamw = 0.2 * sqrt(max(n, m)) (Moonlight: AdamW's lr carries over), "
-        "spectral = sqrt(max(1, n / m)) (Keller Jordan's)."))
-    adam_lr: float | None = Field(None, ge=0, description="AdamW's lr for the other parameters; null = lr.")
-    adam_betas: Betas = Field((0.9, 0.95), description="AdamW's betas for the other parameters.")
-    adam_eps: float = Field(1e-8, ge=0, description="AdamW's eps for the other parameters.")
+    adjust_lr: Literal[ADJUST_LR] = Field("spectral", description=(
+        "Per-matrix lr factor: spectral = sqrt(max(1, n / m)) (Keller Jordan's and DeepSpeed's), "
+        "match_rms_adamw = 0.2 * sqrt(max(n, m)) (Moonlight: the update's RMS matches AdamW's, so AdamW's lr "
+        "and weight decay carry over)."))
+    adam_lr: float | None = Field(None, ge=0, description="AdamW's lr for the other parameters; null = lr, or "
+                                                          "3e-4 when lr is unset (DeepSpeed's default).")
+    adam_betas: Betas = Field((0.9, 0.95), description="AdamW's betas for the other parameters (also `betas`).")
+    adam_eps: float = Field(1e-10, ge=0, description="AdamW's eps for the other parameters (also `eps`).")
     adam_weight_decay: float | None = Field(None, ge=0, description="AdamW's weight decay; null = weight_decay.")
     exclude: Annotated[Any, AfterValidator(_check_regexes)] = Field(list(DEFAULT_EXCLUDE), description=(
         "Parameter-name regexes whose matrices AdamW steps instead (embeddings, the head, norms by default); "
         "every non-matrix is AdamW's anyway."))
+
+
+AUX_ADAM_LR = 3e-4
+"""AdamW's lr inside Muon when the config sets none (DeepSpeed's MuonWithAuxAdam default)."""
+
+
+def _muon_spellings(params: dict) -> tuple[dict, list[ConfigIssue]]:
+    """DeepSpeed's Muon keys read into trident's: `betas` / `eps` are AdamW's, `muon_lr`
+    overrides `lr` for the matrices (`lr` then stays AdamW's), an unset AdamW lr is `lr`, or
+    DeepSpeed's 3e-4 when `lr` is unset too."""
+    issues = []
+    for theirs, ours in (("betas", "adam_betas"), ("eps", "adam_eps")):
+        if theirs in params:
+            if ours in params:
+                issues.append(ConfigIssue(f"optimizer.params.{theirs}", (
+                    f"set together with {ours}; both name AdamW's {theirs} inside Muon: keep one")))
+            params[ours] = params.pop(theirs)
+    if params.pop("per_head_muon", False) is not False:
+        issues.append(ConfigIssue("optimizer.params.per_head_muon", (
+            "true is not supported: trident orthogonalizes each attention projection whole (DeepSpeed's "
+            "per-head Muon splits it by heads); set per_head_muon to false or remove it")))
+    lr = params.get("lr")
+    if "muon_lr" in params:
+        params["lr"] = params.pop("muon_lr")
+    if params.get("adam_lr") is None:
+        params["adam_lr"] = lr if lr is not None else AUX_ADAM_LR
+    return params, issues
 
 
 @dataclass(frozen=True)
@@ -290,7 +329,8 @@ OPTIMIZERS: dict[str, _Kind] = {k.name.lower(): k for k in (
     _Kind("OneBitAdam", OneBitAdamParams, lambda params, p, impl: OneBitAdam(params, **p.model_dump())),
     _Kind("ZeroOneAdam", ZeroOneAdamParams, lambda params, p, impl: ZeroOneAdam(params, **p.model_dump())),
     _Kind("OneBitLamb", OneBitLambParams, lambda params, p, impl: OneBitLamb(params, **p.model_dump())),
-    _Kind("Muon", MuonParams, lambda params, p, impl: Muon(params, **p.model_dump(exclude={"exclude"}))),
+    _Kind("Muon", MuonParams,
+          lambda params, p, impl: Muon(params, **p.model_dump(exclude={"exclude", "ns_method"}))),
 )}
 """Lower-case type name -> how to check its params and build it."""
 
@@ -353,6 +393,9 @@ def _validate(type_name: Any, params: dict) -> tuple[_Kind | None, Any, list[Con
         issues.append(ConfigIssue("optimizer.params.max_grad_norm", (
             "is not an optimizer parameter; use the top-level `gradient_clipping` instead (DeepSpeed rejects "
             "it too)")))
+    if kind.name == "Muon":
+        params, more = _muon_spellings(params)
+        issues += more
     p, more = validate_section(kind.params, params, "optimizer.params")
     issues += more
     return kind, (p if not issues else None), issues

@@ -15,14 +15,17 @@ Per Muon matrix W (n x m, higher-rank tensors viewed as n x prod(rest)), each st
                            ns_steps times X = a X + (b A + c A A) X with A = X X^T,
                            (a, b, c) = (3.4445, -4.7750, 2.0315)
     W = W * (1 - lr * weight_decay) - lr * ratio * O
-    ratio = 0.2 * sqrt(max(n, m))   (adjust_lr "match_rms_adamw": Moonlight, the update's RMS
+    ratio = sqrt(max(1, n / m))     (adjust_lr "spectral", the default: Keller Jordan's and
+                                     DeepSpeed's scaling)
+          = 0.2 * sqrt(max(n, m))   (adjust_lr "match_rms_adamw": Moonlight, the update's RMS
                                      matches AdamW's, so AdamW's lr and weight decay carry over)
-          = sqrt(max(1, n / m))     (adjust_lr "spectral": Keller Jordan's scaling)
 
 The three phases (`momentum_update`, `orthogonalize`, `apply_update`) are separate functions
 because only the middle one needs a matrix whole: the distributed step (trident.zero) runs
 the first and last on shards and gathers U to one owner rank for the second. Newton-Schulz
-runs in fp32 here (DeepSpeed uses bf16 on GPUs that have it). A tensor-parallel slice
+runs in bf16 on a GPU (as Keller Jordan's, Moonlight's and DeepSpeed's Muon do: the
+iteration is meant to tolerate it, and fp32 GEMMs run 15x slower on an H100) and in fp32 on a
+CPU (where bf16 GEMMs are no faster and the tests compare with one process at 1e-5). A tensor-parallel slice
 (`tp_spec`) is gathered whole over `tp_group`; every tp rank orthogonalizes the same matrix
 and keeps its slice.
 """
@@ -46,13 +49,19 @@ DEFAULT_EXCLUDE = (r"embed", r"(^|\.)(wte|wpe)(\.|$)", r"lm_head", r"(^|\.)(head
 """Module-name regexes whose matrices AdamW steps: embeddings, the output head, norms."""
 
 
+def newton_schulz_dtype(device: torch.device) -> torch.dtype:
+    """The dtype Newton-Schulz iterates in on `device`: bf16 on a GPU, fp32 elsewhere."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def newton_schulz(u: torch.Tensor, steps: int) -> torch.Tensor:
-    """The orthogonalized matrix of `u` (2-D), in fp32, by `steps` quintic iterations."""
-    x = u.float()
-    tall = x.size(0) > x.size(1)
+    """The orthogonalized matrix of `u` (2-D, or a batch of matrices along its leading
+    dimensions) by `steps` quintic iterations, in `newton_schulz_dtype(u.device)`."""
+    x = u.to(newton_schulz_dtype(u.device))
+    tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
-    x = x / (torch.linalg.matrix_norm(x) + 1e-7)  # spectral norm <= Frobenius norm <= 1
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
     a, b, c = NS_COEFFICIENTS
     for _ in range(steps):
         gram = x @ x.mT
@@ -75,10 +84,21 @@ def momentum_update(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nest
     return grad.add(buf, alpha=momentum) if nesterov else buf.clone()
 
 
-def orthogonalize(u: torch.Tensor, shape: tuple[int, ...], group: dict) -> torch.Tensor:
-    """NS(U) times the lr ratio, for a whole matrix of `shape` (its elements in any layout)."""
+def orthogonalize(u: torch.Tensor, shape: tuple[int, ...], group: dict, stacked: bool = False) -> torch.Tensor:
+    """NS(U) times the lr ratio, for a whole tensor of `shape` (its elements in any layout): one
+    matrix of shape[0] rows, or with `stacked` (experts stacked in one 3-D tensor) one matrix
+    per entry of the first dimension."""
+    if stacked:
+        matrices = u.reshape(shape)
+        ratio = lr_ratio(tuple(shape[1:]), group["adjust_lr"])
+        return newton_schulz(matrices, group["ns_steps"]).mul_(ratio).reshape(u.shape)
     matrix = u.reshape(shape[0], -1)
     return newton_schulz(matrix, group["ns_steps"]).mul_(lr_ratio(shape, group["adjust_lr"])).reshape(u.shape)
+
+
+def is_stacked(p: torch.Tensor) -> bool:
+    """Whether `p` holds a matrix per expert along its first dimension (`flag_muon_params`)."""
+    return bool(getattr(p, "muon_stacked", False))
 
 
 def apply_update(p: torch.Tensor, update: torch.Tensor, group: dict) -> None:
@@ -102,14 +122,14 @@ def adamw_update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) 
 
 class Muon(torch.optim.Optimizer):
     """Muon for the hidden matrices, AdamW (`adam_*`) for the rest; see the module docstring.
-    `adam_lr` / `adam_weight_decay` None: Muon's lr / weight_decay (Moonlight's setting, which
-    match_rms_adamw is made for)."""
+    `adam_lr` / `adam_weight_decay` None: Muon's lr / weight_decay. Defaults are DeepSpeed's
+    MuonWithAuxAdam's (lr 0.02, spectral scaling, AdamW eps 1e-10)."""
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
+    def __init__(self, params: Iterable, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  ns_steps: int = 5, weight_decay: float = 0.0,
-                 adjust_lr: Literal["match_rms_adamw", "spectral"] = "match_rms_adamw",
+                 adjust_lr: Literal["match_rms_adamw", "spectral"] = "spectral",
                  adam_lr: float | None = None, adam_betas: tuple[float, float] = (0.9, 0.95),
-                 adam_eps: float = 1e-8, adam_weight_decay: float | None = None) -> None:
+                 adam_eps: float = 1e-10, adam_weight_decay: float | None = None) -> None:
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"Muon adjust_lr must be one of {', '.join(ADJUST_LR)}, got {adjust_lr!r}")
         if lr < 0 or not 0 <= momentum < 1 or ns_steps < 1 or weight_decay < 0:
@@ -159,13 +179,13 @@ class Muon(torch.optim.Optimizer):
                 u = momentum_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
                 spec = tp_spec(p)
                 if spec is None:
-                    apply_update(p, orthogonalize(u, tuple(p.shape), group), group)
+                    apply_update(p, orthogonalize(u, tuple(p.shape), group, is_stacked(p)), group)
                     continue
-                apply_update(p, orthogonalize_tp_slice(u, spec, self.tp_group, group), group)
+                apply_update(p, orthogonalize_tp_slice(u, spec, self.tp_group, group, is_stacked(p)), group)
         return loss
 
 
-def orthogonalize_tp_slice(u: torch.Tensor, spec, tp_group, group: dict) -> torch.Tensor:
+def orthogonalize_tp_slice(u: torch.Tensor, spec, tp_group, group: dict, stacked: bool = False) -> torch.Tensor:
     """This rank's slice of the orthogonalized whole matrix, from every tensor-parallel rank's
     slice `u` (a collective over `tp_group`: each tp rank runs Newton-Schulz on the same whole
     matrix and keeps its own slice)."""
@@ -175,7 +195,7 @@ def orthogonalize_tp_slice(u: torch.Tensor, spec, tp_group, group: dict) -> torc
     shards = [torch.empty_like(u) for _ in range(spec.tp_size)]
     collectives.all_gather_list(shards, u.contiguous(), group=tp_group)
     whole = spec.merge(shards)
-    return spec.shard(orthogonalize(whole, tuple(whole.shape), group), dist.get_rank(tp_group))
+    return spec.shard(orthogonalize(whole, tuple(whole.shape), group, stacked), dist.get_rank(tp_group))
 
 
 def tp_spec(p: torch.Tensor):
@@ -195,12 +215,19 @@ def _ndim(p: torch.Tensor) -> int:
     return len(getattr(p, "_trident_shape", p.shape))
 
 
+STACKED_EXPERTS = re.compile(r"(^|\.)experts\.[^.]+$")
+"""A parameter held directly by an `experts` module: `transformers` MoE layers stack their
+experts' matrices in one 3-D tensor (Mixtral's `experts.gate_up_proj`: experts x 2 ff x d)."""
+
+
 def flag_muon_params(model: torch.nn.Module, exclude: Iterable[str] = DEFAULT_EXCLUDE) -> dict[str, bool]:
     """Set `use_muon` on every parameter of `model`: a matrix whose name matches none of the
-    `exclude` regexes. Returns name -> flag (what the start-up log reports)."""
+    `exclude` regexes; and `muon_stacked` on the 3-D ones an `experts` module holds (a matrix
+    per expert, each orthogonalized alone). Returns name -> flag (what the start-up log reports)."""
     patterns = [re.compile(e) for e in exclude]
     flags = {}
     for name, p in model.named_parameters():
         p.use_muon = _ndim(p) >= 2 and not any(rx.search(name) for rx in patterns)
+        p.muon_stacked = p.use_muon and _ndim(p) == 3 and bool(STACKED_EXPERTS.search(name))
         flags[name] = p.use_muon
     return flags

@@ -38,6 +38,7 @@ from trident.moe.dispatch import moe_all_to_all_bytes
 from trident.planner.compression import gradient_bytes, parameter_gather_bytes
 from trident.planner.layout import Layout, Workload, cp_groups, grad_accumulation, local_seq_len, stage_layers
 from trident.planner.memory import StateBytes, cp_kv_dim, rank_parameter_counts
+from trident.planner.muon import gather_units, matrices_per_stage
 from trident.planner.presets import Cluster, ModelSpec
 from trident.planner.zero3_modules import (FP8_GATHERED, zero3_kept_for_backward, zero3_layer_modules,
                                            zero3_module_elements, zero3_named_module_elements, zero3_outer_modules)
@@ -406,26 +407,30 @@ def context_parallel_traffic(model: ModelSpec, layout: Layout, workload: Workloa
 def muon_traffic(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster) -> list[Traffic]:
     """Muon's whole-matrix gathers (trident.zero.muon, trident.optim.muon), in fp32, once per step.
 
-    Under ZeRO 1-3 each rank owns a dp-th of its stage's matrices (M elements of the blocks on
-    this rank: its stage's layers / tp; norm gains and biases, < 1%, are counted in): it gathers
-    their other shards and scatters the updates back, each like an all-gather of 4 M / dp
-    bytes. Tensor-parallel slices are then gathered whole over tp by their owner (stage 0:
-    every rank gathers all of its slices)."""
+    Under ZeRO 1-3 every unit (a matrix, `trident.planner.muon.gather_units`) is gathered to its
+    owner and its update scattered back: per unit a collective of its whole fp32 buffer, 4 M / units bytes
+    (M the elements of the stage's matrices on this rank: its layers / tp; norm gains and
+    biases, < 1%, counted in), timed like an all-gather of it (the owner's link carries
+    (n - 1) / n of it), one after the other. Tensor-parallel slices are then gathered whole
+    over tp by each matrix's owner (stage 0: every rank, each of its matrices)."""
     if workload.optimizer.lower() != "muon":
         return []
     matrices = stage_layers(model, layout.pp) * model.layer_parameters() / layout.tp
     dp = group_span("dp", layout, cluster.gpus_per_node)
-    owned = 4 * matrices / (dp.size if layout.zero_stage else 1)
     out = []
     if layout.zero_stage and dp.size > 1:
-        one = collective_time("all_gather", owned, dp, cluster)
-        out += [Traffic("dp", "gather", "Muon momenta to their owner ranks", owned, 1, one, False),
-                Traffic("dp", "scatter", "Muon updates from their owner ranks", owned, 1, one, False)]
+        units = gather_units(model, layout)
+        unit = 4 * matrices / units
+        one = units * collective_time("all_gather", unit, dp, cluster)
+        out += [Traffic("dp", "gather", "Muon momenta to their owner ranks", unit, units, one, False),
+                Traffic("dp", "scatter", "Muon updates from their owner ranks", unit, units, one, False)]
     tp = group_span("tp", layout, cluster.gpus_per_node)
     if tp.size > 1:
-        whole = owned * tp.size
-        out.append(Traffic("tp", "all_gather", "Muon matrices whole", whole, 1,
-                           collective_time("all_gather", whole, tp, cluster), False))
+        owners = dp.size if layout.zero_stage else 1
+        calls = max(1, round(matrices_per_stage(model, layout) / owners))
+        whole = 4 * matrices * tp.size / owners / calls
+        out.append(Traffic("tp", "all_gather", "Muon matrices whole", whole, calls,
+                           calls * collective_time("all_gather", whole, tp, cluster), False))
     return out
 
 

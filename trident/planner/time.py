@@ -32,6 +32,7 @@ from trident.planner.comm import Traffic, step_traffic
 from trident.planner.compute import micro_batch_compute
 from trident.planner.layout import Layout, Workload, attention_kind, grad_accumulation, local_seq_len, stage_layers
 from trident.planner.memory import StateBytes, rank_parameter_counts
+from trident.planner.muon import newton_schulz_seconds
 from trident.planner.presets import Cluster, ModelSpec
 from trident.planner.zero3 import zero3_schedule
 
@@ -187,7 +188,8 @@ def step_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Clu
     bubble = bubble_fraction_of_flush(layout) * per_micro
     dp, gathers = _dp_exposed(model, traffic, layout, workload, cluster, state, stage, gas,
                               communication_overlaps_compute(cluster))
-    opt = _optimizer_time(model, layout, workload, cluster, state)
+    opt = _optimizer_time(model, layout, workload, cluster, state) + newton_schulz_seconds(model, layout, workload,
+                                                                                           cluster)
     step = max(gas * per_micro + bubble + dp + opt, host_seconds(model, layout, gas, cluster))
     tokens = workload.tokens_per_step()
     gpus = layout.world_size

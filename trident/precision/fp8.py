@@ -76,9 +76,13 @@ def module_filter(cfg: FP8Config, kept: dict[str, str] | None = None) -> Callabl
     skip = [re.compile(p) for p in cfg.filter.skip]
     kept = {} if kept is None else kept
 
+    converted_already = float8_linear_class()
+
     def accept(module: nn.Module, name: str) -> bool:
         if not isinstance(module, nn.Linear):
             return True  # torchao asks about every module; only linear layers are converted
+        if isinstance(module, converted_already):
+            return False  # trident's Float8Conv1D (trident.precision.fp8_conv1d): converted already
         reason = keep_reason(cfg, name, module.weight.shape, convert, skip)
         if reason is not None:
             kept[name] = reason
@@ -145,3 +149,17 @@ def _fold(names: list[str]) -> str:
         key = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name)
         groups[key] = groups.get(key, 0) + 1
     return ", ".join(k if n == 1 else f"{k} (x{n})" for k, n in groups.items())
+
+
+def unconverted_matmuls(model: nn.Module, seen: set[str]) -> dict[str, str]:
+    """Modules outside `seen` (converted or already reported) that multiply by a weight matrix
+    but are not `nn.Linear`, so torchao leaves them in the compute dtype: `transformers`' Conv1D
+    (GPT-2's transposed linear layers), experts stacked in 3-D tensors (MoE layers),
+    convolutions. Named in the start-up report, so a run says what stays in 16 bits."""
+    out = {}
+    for name, m in model.named_modules():
+        if name in seen or isinstance(m, (nn.Linear, nn.Embedding)) or "Embedding" in type(m).__name__:
+            continue
+        if any(len(getattr(p, "_trident_shape", p.shape)) >= 2 for p in m.parameters(recurse=False)):
+            out[name] = f"{type(m).__name__}, not an nn.Linear: torchao.float8 converts nn.Linear layers only"
+    return out

@@ -9,8 +9,11 @@ group has `use_muon`:
 2. each unit (a gradient bucket under stages 1-2, a module under stage 3: whole matrices,
    split evenly over the ranks) has one *owner* rank; the units are dealt largest cost first
    to the least loaded rank of the group (cost ~ n * m * min(n, m) per matrix, the
-   Newton-Schulz flops). The unit's U shards are gathered to its owner;
-3. the owner orthogonalizes each of the unit's matrices and scatters the shards back;
+   Newton-Schulz flops). Every unit's U shards are gathered to its owner, all gathers in
+   flight at once;
+3. each rank orthogonalizes the matrices of the units it owns -- the ranks at the same time,
+   so Newton-Schulz costs each about a world-th of one process's -- and every unit's shards
+   are scattered back from its owner, again all at once;
 4. decoupled weight decay and the step, elementwise on the shards, as in one process.
 
 A tensor-parallel slice's unit is owned by the same dp rank on every tp rank (their layouts
@@ -25,12 +28,14 @@ unit would move.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
 
 from trident.comm import collectives
-from trident.optim.muon import apply_update, momentum_update, orthogonalize, orthogonalize_tp_slice, tp_spec
+from trident.optim.muon import (apply_update, is_stacked, momentum_update, orthogonalize, orthogonalize_tp_slice,
+                                tp_spec)
 
 
 def muon_groups(optimizer: torch.optim.Optimizer, groups: list) -> list:
@@ -42,7 +47,8 @@ def assign_owners(groups: list) -> dict[tuple[int, int], int]:
     """(partition group position, unit index) -> owner rank in that group's dp group: units
     dealt largest Newton-Schulz cost first to the least loaded rank."""
     owners, loads = {}, {}
-    work = [(g, u, sum(_ns_cost(s.shape) for s in u.slots)) for g, pg in enumerate(groups) for u in pg.layout.units]
+    work = [(g, u, sum(_ns_cost(s.shape, is_stacked(pg.params[s.index])) for s in u.slots))
+            for g, pg in enumerate(groups) for u in pg.layout.units]
     work.sort(key=lambda guc: -guc[2])
     for g, unit, cost in work:
         load = loads.setdefault(groups[g].comm.world, [0] * groups[g].comm.world)
@@ -52,7 +58,10 @@ def assign_owners(groups: list) -> dict[tuple[int, int], int]:
     return owners
 
 
-def _ns_cost(shape: tuple[int, ...]) -> int:
+def _ns_cost(shape: tuple[int, ...], stacked: bool = False) -> int:
+    """Newton-Schulz's work on a tensor, up to a constant: n m min(n, m) per matrix."""
+    if stacked:
+        return shape[0] * _ns_cost(tuple(shape[1:]))
     n = shape[0]
     m = 1
     for d in shape[1:]:
@@ -69,6 +78,9 @@ class ShardedMuon:
         self.bytes_per_step = sum(2 * 4 * u.shard * (pg.comm.world - 1) for pg in groups for u in pg.layout.units)
         """fp32 bytes gathered to and scattered from the owners, over all ranks (each unit's
         other world - 1 shards, both ways)."""
+        self.seconds = {"gather": 0.0, "newton_schulz": 0.0, "scatter": 0.0}
+        """Host seconds of the last step's three phases (bench/muon.py compares them with the
+        planner on CPU ranks; on a GPU they time the launches, not the kernels)."""
 
     def owns(self, pg) -> bool:
         return any(pg is g for g in self.groups)
@@ -94,33 +106,58 @@ class ShardedMuon:
                         state["momentum_buffer"] = torch.zeros_like(m)
                     u_shards[u][start:end] = momentum_update(grad, state["momentum_buffer"], group["momentum"],
                                                              group["nesterov"])
-            updates = [self._orthogonalized_shard(g, pg, unit, u_shards[unit.index], group)
-                       for unit in pg.layout.units]
+            if g == 0:
+                self.seconds = dict.fromkeys(self.seconds, 0.0)
+            updates = self._orthogonalized_shards(g, pg, u_shards, group)
             for m, (u, start, end) in zip(pg.masters, pg.chunks):
                 apply_update(m, updates[u][start:end], group)
             write_shards(pg, 0, len(pg.masters))
 
-    def _orthogonalized_shard(self, g: int, pg, unit, u_shard: torch.Tensor, group: dict) -> torch.Tensor:
-        """This rank's shard of the unit's update: the shards gathered to the unit's owner, which
-        orthogonalizes each matrix and scatters the shards back."""
-        comm = pg.comm
-        owner = self.owners[(g, unit.index)]
-        mine = comm.rank == owner
-        whole = torch.empty(unit.padded, dtype=u_shard.dtype, device=u_shard.device) if mine else None
-        collectives.gather(u_shard, list(whole.split(unit.shard)) if mine else None, owner, group=comm.group,
-                           logger=self.logger)
-        out = None
-        if mine:
-            out = torch.zeros_like(whole)
-            for slot in unit.slots:
-                piece = slice(slot.offset, slot.offset + slot.numel)
-                spec = tp_spec(pg.params[slot.index])
-                if spec is None:
-                    out[piece] = orthogonalize(whole[piece], slot.shape, group).reshape(-1)
-                else:  # the unit's owner is the same dp rank on every tp rank: they gather together
-                    out[piece] = orthogonalize_tp_slice(whole[piece].view(slot.shape), spec, self.tp_group,
-                                                        group).reshape(-1)
-        shard = torch.empty_like(u_shard)
-        collectives.scatter(shard, list(out.split(unit.shard)) if mine else None, owner, group=comm.group,
-                            logger=self.logger)
-        return shard
+    def _orthogonalized_shards(self, g: int, pg, u_shards: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+        """This rank's shard of every unit's update: each unit's shards gathered to its owner
+        (all gathers issued before any is waited on), the owners orthogonalizing their units
+        side by side, the shards scattered back (all at once again)."""
+        comm, units = pg.comm, pg.layout.units
+        owners = [self.owners[(g, unit.index)] for unit in units]
+        wholes: dict[int, torch.Tensor] = {}
+        handles = []
+        start = time.perf_counter()
+        for unit, owner in zip(units, owners):
+            parts = None
+            if comm.rank == owner:
+                wholes[unit.index] = torch.empty(unit.padded, dtype=torch.float32, device=u_shards[0].device)
+                parts = list(wholes[unit.index].split(unit.shard))
+            handles.append(collectives.gather(u_shards[unit.index], parts, owner, group=comm.group, async_op=True,
+                                              logger=self.logger))
+        for handle in handles:
+            handle.wait()
+        gathered = time.perf_counter()
+        outs = {i: self._orthogonalized(pg, units[i], whole, group) for i, whole in wholes.items()}
+        orthogonalized = time.perf_counter()
+        shards = [torch.empty_like(u) for u in u_shards]
+        handles = [collectives.scatter(shards[unit.index], list(outs[unit.index].split(unit.shard))
+                                       if unit.index in outs else None, owner, group=comm.group, async_op=True,
+                                       logger=self.logger)
+                   for unit, owner in zip(units, owners)]
+        for handle in handles:
+            handle.wait()
+        done = time.perf_counter()
+        for phase, seconds in (("gather", gathered - start), ("newton_schulz", orthogonalized - gathered),
+                               ("scatter", done - orthogonalized)):
+            self.seconds[phase] += seconds
+        return shards
+
+    def _orthogonalized(self, pg, unit, whole: torch.Tensor, group: dict) -> torch.Tensor:
+        """A unit's update, made whole on its owner: each matrix orthogonalized (a tp slice
+        together with the owners of its other slices, the same dp rank on every tp rank)."""
+        out = torch.zeros_like(whole)
+        for slot in unit.slots:
+            piece = slice(slot.offset, slot.offset + slot.numel)
+            param = pg.params[slot.index]
+            spec, stacked = tp_spec(param), is_stacked(param)
+            if spec is None:
+                out[piece] = orthogonalize(whole[piece], slot.shape, group, stacked).reshape(-1)
+            else:
+                out[piece] = orthogonalize_tp_slice(whole[piece].view(slot.shape), spec, self.tp_group, group,
+                                                    stacked).reshape(-1)
+        return out

@@ -171,6 +171,10 @@ class ZeroOptimizer(PartitionCheckpoint, LocalStep):
 
     # -- construction ----------------------------------------------------------------------
 
+    def _is_muon(self, g: int) -> bool:
+        """Whether optimizer param group `g` is one Muon steps (its matrices need owners)."""
+        return g >= 0 and bool(self.optimizer.param_groups[g].get("use_muon"))
+
     def _make_group(self, g: int, sharded: bool, params: list, names: dict, stage3_units,
                     expert: bool = False) -> PartitionGroup:
         comm = self.comms[expert]
@@ -185,7 +189,10 @@ class ZeroOptimizer(PartitionCheckpoint, LocalStep):
         else:
             shapes = [tuple(p.shape) for p in params]
             order = round_robin_order(len(params), comm.world) if self.cfg.round_robin_gradients else None
-            layout = layout_from_groups(bucketed_groups(shapes, self.cfg.reduce_bucket_size, order), comm.world)
+            # Muon's matrices a unit each: owners are dealt per matrix (trident.zero.muon), and
+            # stage 2 reduces them in buckets of reduce_bucket_size all the same (`_make_grads`)
+            bucket = 1 if self._is_muon(g) else self.cfg.reduce_bucket_size
+            layout = layout_from_groups(bucketed_groups(shapes, bucket, order), comm.world)
         pg = PartitionGroup(g, sharded, params, [names.get(id(p), "?") for p in params], layout, norm_groups,
                             comm, expert)
         if self.stage < 3:
@@ -252,7 +259,9 @@ class ZeroOptimizer(PartitionCheckpoint, LocalStep):
             pg.grads = FullGradients(pg.params, pg.layout, pg.unit_starts, pg.comm.group, pg.comm.rank, self.dtype,
                                      overlap, self.cfg.reduce_scatter, pg.comm.scaling, self.logger, self.comm_dtype)
             return
-        if self.stage == 2:
+        if self.stage == 2 and self._is_muon(pg.opt_group):  # a unit per matrix, in backward order
+            buckets = [[u.index for u in units] for units in group_units(pg.layout, self.cfg.reduce_bucket_size)]
+        elif self.stage == 2:
             buckets = [[u.index] for u in pg.layout.units]
         else:
             # Stage 3's units follow the modules' forward order; backward produces their gradients
