@@ -111,6 +111,21 @@ CASES = [
     ("model type", {"model": {"type": "bert"}}, None, "model.type: expected one of 'gpt', got 'bert' (str)"),
     ("val_fraction 1", {"data": {"val_fraction": 1.0}}, None,
      "data.val_fraction: expected a number in [0, 1), got 1.0 (float)"),
+    ("fp8 all-gather with rowwise", {"fp8": {"enabled": True, "recipe": "rowwise", "all_gather": True},
+                                     "zero_optimization": {"stage": 3}}, None,
+     "fp8.all_gather: true with fp8.recipe 'rowwise'; the float8 all-gather casts each weight with one scale "
+     "(torchao's tensorwise recipe), a rowwise weight is cast per row inside each matmul: set fp8.recipe to "
+     "\"tensorwise\" or fp8.all_gather to false"),
+    ("fp8 all-gather below stage 3", {"fp8": {"enabled": True, "all_gather": True},
+                                      "zero_optimization": {"stage": 2}}, None,
+     "fp8.all_gather: true with zero_optimization.stage 2; the float8 all-gather of weights needs fp8.enabled "
+     "true and zero_optimization.stage 3"),
+    ("fp8 all-gather with offload_param", {"fp8": {"enabled": True, "all_gather": True}, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "cpu"}}}, None,
+     "fp8.all_gather: true with zero_optimization.offload_param.device 'cpu'; "),
+    ("fp8 all-gather with qwZ", {"fp8": {"enabled": True, "all_gather": True}, "zero_optimization": {
+        "stage": 3, "zero_quantized_weights": True}}, None,
+     "fp8.all_gather: true with zero_optimization.zero_quantized_weights true; "),
 ]
 
 

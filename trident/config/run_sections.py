@@ -74,6 +74,19 @@ class FP8Config(Section):
     emulate: bool = Field(False, description=(
         "torchao's emulation: float8 rounding and scales computed with ordinary matmuls, so FP8 runs on CPU or "
         "a GPU without FP8 units (compute capability < 8.9). For tests; no speed-up."))
+    all_gather: bool = Field(False, description=(
+        "Under ZeRO stage 3, all-gather each converted layer's weight shards as float8 bytes (scaled by the "
+        "whole weight's amax, as torchao casts it) instead of the compute dtype: half the bytes of bf16, a "
+        "quarter of fp32. Tensorwise recipe only."))
+
+    @model_validator(mode="after")
+    def _all_gather_needs_tensorwise(self) -> FP8Config:
+        if self.all_gather and self.recipe != "tensorwise":
+            raise ConfigError([ConfigIssue("fp8.all_gather", (
+                f"true with fp8.recipe {self.recipe!r}; the float8 all-gather casts each weight with one scale "
+                "(torchao's tensorwise recipe), a rowwise weight is cast per row inside each matmul: set "
+                "fp8.recipe to \"tensorwise\" or fp8.all_gather to false"))])
+        return self
 
 
 # -- optimizer and scheduler (their params are checked by trident.optim) ------------------------

@@ -137,6 +137,29 @@ class TridentConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _fp8_all_gather_under_zero3(self) -> TridentConfig:
+        if not self.fp8.all_gather:
+            return self
+        zero = self.zero_optimization
+        conflicts = [("fp8.enabled", not self.fp8.enabled, "false"),
+                     ("zero_optimization.stage", zero.stage != 3, str(zero.stage)),
+                     ("zero_optimization.offload_param.device", zero.offload_param.device != "none",
+                      repr(zero.offload_param.device)),
+                     ("zero_optimization.zero_quantized_weights", zero.zero_quantized_weights, "true"),
+                     ("zero_optimization.zero_quantized_nontrainable_weights",
+                      zero.zero_quantized_nontrainable_weights, "true"),
+                     ("zero_optimization.zero_hpz_partition_size", zero.zero_hpz_partition_size > 1,
+                      str(zero.zero_hpz_partition_size))]
+        for key, bad, value in conflicts:
+            if bad:
+                raise ConfigError([ConfigIssue("fp8.all_gather", (
+                    f"true with {key} {value}; the float8 all-gather of weights needs fp8.enabled true and "
+                    "zero_optimization.stage 3 with the parameter shards on the device (offload_param.device "
+                    "\"none\") and no ZeRO++ weight quantization or secondary partition (qwZ, hpZ): change "
+                    f"{key} or set fp8.all_gather to false"))])
+        return self
+
+    @model_validator(mode="after")
     def _one_precision(self) -> TridentConfig:
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError([ConfigIssue("fp16.enabled", (

@@ -239,6 +239,14 @@ def _configure_activation_checkpointing(cfg, model, mesh) -> None:
         activation.apply_activation_checkpointing(model, ac.layers, ac.every, settings=own)
 
 
+def _fp8_gathered(model, cfg) -> list:
+    """`fp8.all_gather`: the Float8Linear layers whose weights ZeRO-3 gathers as float8."""
+    if not (cfg.fp8.enabled and cfg.fp8.all_gather and cfg.zero_optimization.stage == 3):
+        return []
+    from trident.zero.fp8_gather import fp8_gather_modules
+    return fp8_gather_modules(model)
+
+
 def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_logger, dtype):
     """Stage 0: the all-reduce reducer and fp32 masters; stages 1-3: ZeRO's partitions.
     Returns (masters or None, the engine's gradient/step strategy, the optimizer)."""
@@ -274,7 +282,8 @@ def _make_strategy(cfg, model, params, optimizer, model_parameters, mesh, comms_
     names = {id(p): n for n, p in model.named_parameters()}
     strategy = ZeroOptimizer(zero.stage, optimizer, names, mesh, zero, dtype, cfg.gradient_predivide_factor,
                              cfg.prescale_gradients, comms_logger, model=model, aio=cfg.aio, frozen=frozen,
-                             comm_dtype=communication_dtype(cfg.communication_data_type, dtype))
+                             comm_dtype=communication_dtype(cfg.communication_data_type, dtype),
+                             fp8_modules=_fp8_gathered(model, cfg))
     return None, strategy, optimizer
 
 

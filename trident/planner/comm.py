@@ -40,8 +40,8 @@ from trident.planner.layout import Layout, Workload, cp_groups, grad_accumulatio
 from trident.planner.memory import StateBytes, cp_kv_dim, rank_parameter_counts
 from trident.planner.muon import gather_units, matrices_per_stage
 from trident.planner.presets import Cluster, ModelSpec
-from trident.planner.zero3_modules import (zero3_kept_for_backward, zero3_layer_modules, zero3_module_elements,
-                                           zero3_outer_modules)
+from trident.planner.zero3_modules import (FP8_GATHERED, zero3_kept_for_backward, zero3_layer_modules,
+                                           zero3_module_elements, zero3_named_module_elements, zero3_outer_modules)
 
 LINK_EFFICIENCY = 0.8
 
@@ -220,32 +220,33 @@ def zero3_gathers(model: ModelSpec, layout: Layout, workload: Workload, cluster:
     recomputation), then backward, where a module the recompute gathered and kept
     (`zero3_kept_for_backward`) is not gathered again. Without recomputation backward gathers
     every module again (the ZeRO paper's 3 Psi). Gathers after the forward stay inside a node
-    under ZeRO++'s hpZ."""
+    under ZeRO++'s hpZ; under fp8.all_gather the dense layers' weights move one byte per element."""
     gas = grad_accumulation(layout, workload) or 1
     c = workload.compression
     span = group_span("dp", layout, cluster.gpus_per_node)
-    modules = zero3_module_elements(model, layout, workload)
+    modules = [(n in FP8_GATHERED, e) for n, e in zero3_named_module_elements(model, layout, workload)]
     if not modules or span.size <= 1:
         return []
     hpz = c.hpz_partition_size if c is not None else 1
     back_span = _span(min(hpz, span.size), layout.tp * layout.ep, cluster.gpus_per_node) if hpz > 1 else span
 
-    priced: dict[tuple[float, int], float] = {}
+    priced: dict[tuple[bool, float, int], float] = {}
 
-    def one(m: float, where: GroupSpan) -> float:
-        if (m, where.size) not in priced:
-            size = parameter_gather_bytes(c, m, state.parameter)
-            priced[(m, where.size)] = flat_collective_time("all_gather", size, where, cluster)
-        return priced[(m, where.size)]
+    def one(fm: tuple[bool, float], where: GroupSpan) -> float:
+        if (*fm, where.size) not in priced:
+            size = parameter_gather_bytes(c, fm[1], state.parameter, fm[0])
+            priced[(*fm, where.size)] = flat_collective_time("all_gather", size, where, cluster)
+        return priced[(*fm, where.size)]
 
     full = layout.activation_checkpointing == "full"
     backward = modules
     if full:
-        layer = [e for _, e in zero3_layer_modules(model, layout) if e > workload.zero3_persistence_threshold]
-        kept = zero3_kept_for_backward(layer, workload)
+        layer = [(n in FP8_GATHERED, e) for n, e in zero3_layer_modules(model, layout)
+                 if e > workload.zero3_persistence_threshold]
+        kept = zero3_kept_for_backward([e for _, e in layer], workload)
         first, last = zero3_outer_modules(model, layout)
-        outer = [m for m in first + last if m > workload.zero3_persistence_threshold]
-        backward = outer + [e for e, k in zip(layer, kept) if not k] * stage_layers(model, layout.pp)
+        outer = [(False, m) for m in first + last if m > workload.zero3_persistence_threshold]
+        backward = outer + [fe for fe, k in zip(layer, kept) if not k] * stage_layers(model, layout.pp)
     inside = f", inside hpZ groups of {hpz}" if hpz > 1 else ""
     out = [_gathers("parameters, forward (one per module)", modules, gas, state, c,
                     sum(one(m, span) for m in modules), "forward")]
@@ -259,9 +260,9 @@ def zero3_gathers(model: ModelSpec, layout: Layout, workload: Workload, cluster:
     return out
 
 
-def _gathers(what: str, modules: list[float], gas: int, state: StateBytes, c, one_pass: float,
+def _gathers(what: str, modules: list[tuple[bool, float]], gas: int, state: StateBytes, c, one_pass: float,
              phase: str) -> Traffic:
-    mean = sum(parameter_gather_bytes(c, m, state.parameter) for m in modules) / len(modules)
+    mean = sum(parameter_gather_bytes(c, m, state.parameter, fp8) for fp8, m in modules) / len(modules)
     return Traffic("dp", "all_gather", what, mean, gas * len(modules), gas * one_pass, True, None, phase)
 
 

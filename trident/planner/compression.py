@@ -16,6 +16,10 @@ compressor, so the planner does not depend on `trident.compression`.
   (inside the node, then across nodes; scale = max|g| / 7, error scale / 2 per hop);
   `zero_hpz_partition_size` keeps a secondary copy of the parameters partitioned inside groups
   of that many ranks (a node), so backward's gathers stay inside it.
+- `fp8.all_gather` (trident, with `fp8.enabled` and ZeRO stage 3): the dense layers' weights
+  (qkv, attention out, MLP in and out: the ones `fp8` converts) are all-gathered as float8, one
+  byte per element, each scaled by its whole weight's amax (one small all-reduce per step, not
+  priced).
 """
 
 from __future__ import annotations
@@ -39,11 +43,12 @@ class CommCompression:
     quantized_weights: bool = False
     quantized_gradients: bool = False
     hpz_partition_size: int = 1
+    fp8_weights: bool = False  # fp8.all_gather: the dense layers' weights gathered as float8
 
     @property
     def active(self) -> bool:
         return bool(self.onebit or self.communication_data_type in ("fp16", "bf16") or self.quantized_weights
-                    or self.quantized_gradients or self.hpz_partition_size > 1)
+                    or self.quantized_gradients or self.hpz_partition_size > 1 or self.fp8_weights)
 
 
 def compression_from_config(config: dict) -> CommCompression:
@@ -59,9 +64,11 @@ def compression_from_config(config: dict) -> CommCompression:
     hpz = int(zero.get("zero_hpz_partition_size", 1) or 1)
     if hpz < 1:
         raise ValueError(f"zero_optimization.zero_hpz_partition_size: {hpz} must be >= 1")
+    fp8 = config.get("fp8") or {}
+    fp8_weights = bool(fp8.get("enabled") and fp8.get("all_gather") and zero.get("stage") == 3)
     return CommCompression(kind, int(freeze), str(dtype).lower() if dtype else None,
                            bool(zero.get("zero_quantized_weights", False)),
-                           bool(zero.get("zero_quantized_gradients", False)), hpz)
+                           bool(zero.get("zero_quantized_gradients", False)), hpz, fp8_weights)
 
 
 def onebit_bytes(elements: float, ranks: int) -> float:
@@ -83,8 +90,12 @@ def gradient_bytes(c: CommCompression | None, elements: float, bytes_per: float,
     return elements * bytes_per
 
 
-def parameter_gather_bytes(c: CommCompression | None, elements: float, bytes_per: float) -> float:
-    """Bytes of one stage-3 parameter all-gather of `elements` (int8 + scales under qwZ)."""
+def parameter_gather_bytes(c: CommCompression | None, elements: float, bytes_per: float,
+                           fp8: bool = False) -> float:
+    """Bytes of one stage-3 parameter all-gather of `elements` (int8 + scales under qwZ; one
+    byte each for a dense layer's weight, `fp8`, under fp8.all_gather)."""
+    if fp8 and c is not None and c.fp8_weights:
+        return elements
     if c is not None and c.quantized_weights:
         return elements + 4 * elements / QUANT_BLOCK
     return elements * bytes_per
@@ -112,4 +123,8 @@ def error_notes(c: CommCompression | None) -> list[str]:
     if c.hpz_partition_size > 1:
         notes.append(f"zero_hpz_partition_size {c.hpz_partition_size}: a secondary parameter partition inside groups "
                      f"of {c.hpz_partition_size} ranks; backward gathers stay inside it (no numerical change)")
+    if c.fp8_weights:
+        notes.append("fp8.all_gather: the dense layers' weights all-gathered as float8 e4m3 (1 byte per element), "
+                     "each with its whole weight's scale: the bytes torchao's tensorwise cast makes anyway "
+                     "(no numerical change)")
     return notes

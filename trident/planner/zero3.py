@@ -47,7 +47,7 @@ from trident.planner.compute import _fwd_bwd, layer_gemms
 from trident.planner.layout import Layout, Workload, local_seq_len, stage_layers
 from trident.planner.memory import StateBytes, rank_parameter_counts
 from trident.planner.presets import Cluster, ModelSpec
-from trident.planner.zero3_modules import zero3_kept_for_backward, zero3_layer_modules, zero3_outer_modules
+from trident.planner.zero3_modules import FP8_GATHERED, zero3_kept_for_backward, zero3_layer_modules, zero3_outer_modules
 
 
 @dataclass
@@ -151,14 +151,15 @@ def zero3_schedule(model: ModelSpec, layout: Layout, workload: Workload, cluster
     hpz = c.hpz_partition_size if c is not None else 1
     back = _span(min(hpz, span.size), layout.tp * layout.ep, cluster.gpus_per_node) if hpz > 1 else span
 
-    def gather(elems: float, where: GroupSpan) -> float:
-        size = parameter_gather_bytes(c, elems, state.parameter)
+    def gather(elems: float, where: GroupSpan, fp8: bool) -> float:
+        size = parameter_gather_bytes(c, elems, state.parameter, fp8)
         return flat_collective_time("all_gather", size, where, cluster) if elems > thr else 0.0
 
     def module(ops: Ops, elems: float, compute: float, where: GroupSpan = span, grads: float = 0.0,
-               keep: bool = False) -> None:
+               keep: bool = False, name: str = "outer") -> None:
         gathered = elems > thr and not keep
-        ops.add(elems if gathered else 0.0, compute, gather(elems, where) if gathered else 0.0, grads)
+        ops.add(elems if gathered else 0.0, compute, gather(elems, where, name in FP8_GATHERED) if gathered else 0.0,
+                grads)
 
     modules = zero3_layer_modules(model, layout)
     modules.insert(2, ("attention", 0.0))
@@ -176,14 +177,14 @@ def zero3_schedule(model: ModelSpec, layout: Layout, workload: Workload, cluster
     kept = dict(zip(gathered, zero3_kept_for_backward([elems[i] for i in gathered], workload))) if full else {}
 
     forward_layer, backward_layer, ops = Ops(), Ops(), Ops()
-    for e, w in zip(elems, fw):
-        module(forward_layer, e, f_scale * w)
+    for n, e, w in zip(names, elems, fw):
+        module(forward_layer, e, f_scale * w, name=n)
     if full:
-        for e, w in zip(elems, fw):
-            module(backward_layer, e, r_scale * w, back)
+        for n, e, w in zip(names, elems, fw):
+            module(backward_layer, e, r_scale * w, back, name=n)
     for i in reversed(range(len(elems))):
         module(backward_layer, elems[i], b_scale * bw[i] + (selective if names[i] == "attention" else 0.0), back,
-               elems[i], kept.get(i, False))
+               elems[i], kept.get(i, False), names[i])
     for e in first:
         module(ops, e, 0.0)
     ops.extend(forward_layer, layers)

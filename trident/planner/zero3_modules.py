@@ -34,14 +34,24 @@ def zero3_outer_modules(model: ModelSpec, layout: Layout) -> tuple[list[float], 
     return first, [model._norm_params()] + ([model.vocab_size * h / t] if not model.tie_embeddings else [])
 
 
+FP8_GATHERED = frozenset({"qkv", "proj", "mlp_in", "mlp_out"})
+"""The layer modules whose weights `fp8.all_gather` gathers as float8 (those `fp8` converts)."""
+
+
 def zero3_module_elements(model: ModelSpec, layout: Layout, workload: Workload) -> list[float]:
     """Elements of each module stage 3 gathers on one rank per micro-batch pass, in forward
     order: the embedding, every layer's linear layers (norms and biases under the persistence
     threshold stay whole), the head. trident and DeepSpeed gather per module: one collective each."""
+    return [e for _, e in zero3_named_module_elements(model, layout, workload)]
+
+
+def zero3_named_module_elements(model: ModelSpec, layout: Layout, workload: Workload) -> list[tuple[str, float]]:
+    """`zero3_module_elements` with each module's name (zero3_layer_modules' names; "outer" for
+    the embedding, the final norm and the head)."""
     first, last = zero3_outer_modules(model, layout)
-    layer = [e for _, e in zero3_layer_modules(model, layout)]
-    modules = first + layer * stage_layers(model, layout.pp) + last
-    return [m for m in modules if m > workload.zero3_persistence_threshold]
+    modules = ([("outer", e) for e in first] + zero3_layer_modules(model, layout) * stage_layers(model, layout.pp)
+               + [("outer", e) for e in last])
+    return [(n, m) for n, m in modules if m > workload.zero3_persistence_threshold]
 
 
 def zero3_kept_for_backward(elements: list[float], workload: Workload) -> list[bool]:

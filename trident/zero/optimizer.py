@@ -96,7 +96,7 @@ class ZeroOptimizer(PartitionCheckpoint, LocalStep):
     def __init__(self, stage: int, optimizer: torch.optim.Optimizer, named_params: dict[int, str], mesh,
                  zero_cfg, dtype: torch.dtype, predivide_factor: float, prescale: bool,
                  logger: CommsLogger | None, model: torch.nn.Module | None = None, aio=None,
-                 frozen: list[torch.nn.Parameter] = (), comm_dtype: torch.dtype | None = None) -> None:
+                 frozen: list[torch.nn.Parameter] = (), comm_dtype: torch.dtype | None = None, fp8_modules=()) -> None:
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError("the optimizer passed to trident.initialize already has state; pass a fresh "
                              "optimizer (or its config) so ZeRO can partition its state")
@@ -133,8 +133,8 @@ class ZeroOptimizer(PartitionCheckpoint, LocalStep):
         self.placement = make_placement(zero_cfg, aio, optimizer, global_rank, estimate)
         self.param_store = make_param_store(zero_cfg, aio, dtype, global_rank, estimate) if stage == 3 else None
         stage3_units = uses = None
-        if stage == 3:
-            stage3_units, uses = module_units(model)
+        if stage == 3:  # fp8_modules (fp8.all_gather): Float8Linear layers whose weights gather as float8
+            stage3_units, uses = module_units(model, alone=frozenset(fp8_modules))
         for g, param_group in enumerate(optimizer.param_groups):
             params = [p for p in param_group["params"] if p.requires_grad]
             for sharded in (False, True):
@@ -160,7 +160,7 @@ class ZeroOptimizer(PartitionCheckpoint, LocalStep):
                     if hasattr(p, attr):
                         delattr(p, attr)  # zero.Init's shards now live in the partition
         if stage == 3:
-            self.coordinator = Stage3Coordinator(self, model, uses)
+            self.coordinator = Stage3Coordinator(self, model, uses, fp8_modules)
         mine = muon_groups(optimizer, self.trained)  # Newton-Schulz on whole matrices (trident.zero.muon)
         self.muon = ShardedMuon(optimizer, mine, logger, mesh.tp_group if mesh.tp_size > 1 else None) if mine else None
 

@@ -33,6 +33,10 @@ rank's shard as int8 blocks (QUANT) and its whole value is int8-rounded until re
 every gather from the whole group also keeps this rank's secondary shard (1/hpz of the unit),
 and until the next optimizer step the unit is gathered from those inside the node (NODE).
 `zero.GatheredParameters` and checkpoints always gather the stored values (`exact`).
+
+FP8 all-gather (`fp8.all_gather`, trident.zero.fp8_gather; off = none of this runs): the weight
+of each torchao Float8Linear is a unit of its own, gathered as float8 bytes (FP8) with the
+whole weight's scale, and the layer's matmul takes the gathered float8 weight directly.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from trident.zero.stage3_hooks import gather_in_backward, linear_forward
 
 _Key = tuple[int, int]  # (partition group position, unit index)
 
-PLAIN, QUANT, NODE = "plain", "quant", "node"  # how a unit is gathered (Stage3Coordinator._mode)
+PLAIN, QUANT, NODE, FP8 = "plain", "quant", "node", "fp8"  # how a unit is gathered (Stage3Coordinator._mode)
 
 _COALESCE_BELOW = 1 << 16
 """ZeRO++ gathers of units with fewer elements share one collective (latency-bound); larger ones
@@ -58,7 +62,7 @@ each get their own, straight into their buffer (bandwidth-bound, and no extra co
 class Stage3Coordinator:
     """Gathers and releases parameter units around each module's forward and backward."""
 
-    def __init__(self, zero, model: torch.nn.Module, uses: dict) -> None:
+    def __init__(self, zero, model: torch.nn.Module, uses: dict, fp8_modules=()) -> None:
         self.zero, self.cfg = zero, zero.cfg
         self.units = {(gi, u.index): (pg, u) for gi, pg in enumerate(zero.groups) for u in pg.layout.units}
         key_of_param = {id(pg.params[s.index]): (gi, u.index)
@@ -95,6 +99,12 @@ class Stage3Coordinator:
         for m in self.keys_of:
             if type(m) is torch.nn.Linear:
                 m.forward = functools.partial(linear_forward, m)  # see zero.stage3_hooks.Stage3Linear
+        self.fp8 = None  # trident.zero.fp8_gather.Float8Gather with fp8.all_gather
+        fp8 = {key_of_param[id(m.weight)]: m for m in fp8_modules if id(m.weight) in key_of_param}
+        fp8 = {key: m for key, m in fp8.items() if not self.units[key][0].expert}
+        if fp8:
+            from trident.zero.fp8_gather import Float8Gather
+            self.fp8 = Float8Gather(self, fp8)
         for key in self.units:
             self._release(key, force=True)
         self.refresh_persistent()
@@ -117,7 +127,7 @@ class Stage3Coordinator:
         by_group: dict[tuple, list[_Key]] = {}  # expert units gather over their own group (trident.moe)
         for key in keys:
             mode = self._mode(key, exact)
-            if mode != PLAIN and self.numel(key) >= _COALESCE_BELOW:
+            if mode not in (PLAIN, FP8) and self.numel(key) >= _COALESCE_BELOW:
                 self._launch_batch([key], mode)
             else:
                 by_group.setdefault((mode, id(self.units[key][0].comm.group)), []).append(key)
@@ -125,17 +135,22 @@ class Stage3Coordinator:
             self._launch_batch(batch, mode)
 
     def _mode(self, key: _Key, exact: bool) -> str:
-        """How a unit is gathered: from the whole group (PLAIN), as int8 blocks (QUANT, qwZ), or
-        from the secondary shards inside the node (NODE, hpZ)."""
-        if self.zeropp is None or exact:
+        """How a unit is gathered: from the whole group (PLAIN), as int8 blocks (QUANT, qwZ),
+        from the secondary shards inside the node (NODE, hpZ), or as float8 bytes (FP8, a
+        Float8Linear's weight under fp8.all_gather)."""
+        if exact:
+            return PLAIN
+        if self.fp8 is not None and key in self.fp8.modules:
+            return FP8
+        if self.zeropp is None:
             return PLAIN
         if key in self.secondary:
             return NODE
         return QUANT if key in self._quantizer else PLAIN
 
     def _launch_batch(self, keys: list[_Key], mode: str = PLAIN) -> None:
-        if mode == PLAIN:
-            self._launch_plain(keys)
+        if mode in (PLAIN, FP8):
+            self._launch_plain(keys, mode)
             return
         if mode == NODE:
             shards = [self.secondary[key] for key in keys]
@@ -166,10 +181,11 @@ class Stage3Coordinator:
         self._live_numel += sum(self.numel(key) for key in keys)
         self.peak_numel = max(self.peak_numel, self._live_numel)
 
-    def _launch_plain(self, keys: list[_Key]) -> None:
+    def _launch_plain(self, keys: list[_Key], mode: str = PLAIN) -> None:
         """Gather units from the whole group, each straight into a buffer of its own (one
-        coalesced collective for all of them: no joined input, no copy out of a joint result)."""
-        shards = [self._shard(key) for key in keys]
+        coalesced collective for all of them: no joined input, no copy out of a joint result);
+        FP8: each shard cast to float8 bytes first (trident.zero.fp8_gather)."""
+        shards = [self.fp8.cast(key) if mode == FP8 else self._shard(key) for key in keys]
         comm = self.units[keys[0]][0].comm  # the same for every key of a batch
         outs = [torch.empty(comm.world * s.numel(), dtype=s.dtype, device=s.device) for s in shards]
         if comm.world == 1:
@@ -178,7 +194,7 @@ class Stage3Coordinator:
         else:
             handle = collectives.all_gather_coalesced(outs, shards, group=comm.group, async_op=True,
                                                       logger=self.zero.logger)
-        batch = _Gather(keys, None, handle, shards, PLAIN, None, shards[0].dtype, 0, outs)
+        batch = _Gather(keys, None, handle, shards, mode, None, shards[0].dtype, 0, outs)
         for key in keys:
             self.pending[key] = batch
         self._live_numel += sum(self.numel(key) for key in keys)
@@ -221,9 +237,13 @@ class Stage3Coordinator:
             col += width
             if self.pending.pop(k, None) is None:
                 continue
-            base = full.storage_offset()
-            for s, stride in zip(unit.slots, self._strides(k)):
-                pg.params[s.index].data = full.as_strided(s.shape, stride, base + s.offset)
+            if batch.mode == FP8:
+                self.fp8.arrived(k, full)
+                self.inexact.add(k)  # the Parameter holds no values: zero.GatheredParameters gathers again
+            else:
+                base = full.storage_offset()
+                for s, stride in zip(unit.slots, self._strides(k)):
+                    pg.params[s.index].data = full.as_strided(s.shape, stride, base + s.offset)
             self.full[k] = full
             if self.zeropp is not None:
                 self._gathered(k, full, batch.mode)
@@ -277,6 +297,8 @@ class Stage3Coordinator:
         if self.full.pop(key, None) is not None:
             self._live_numel -= self.numel(key)
         self.inexact.discard(key)
+        if self.fp8 is not None:
+            self.fp8.released(key)
 
     def live_numel_of(self, pg) -> int:
         """Gathered (whole) elements of one partition group's units right now."""
@@ -284,11 +306,11 @@ class Stage3Coordinator:
 
     def hold(self, keys) -> None:
         """Gather units and keep them whole until `unhold` (zero.GatheredParameters)."""
-        if self.zeropp is not None:
+        if self.zeropp is not None or self.fp8 is not None:
             for key in sorted(keys):
                 self._wait(key)
                 if key in self.inexact:
-                    self._release(key, force=True)  # int8-rounded (qwZ): gather the stored values instead
+                    self._release(key, force=True)  # int8-rounded (qwZ) or float8: gather the stored values
         self.gather(sorted(keys), exact=True)
         self.held.update(keys)
 
@@ -308,6 +330,8 @@ class Stage3Coordinator:
             self._release(key)
         if write_back:
             self.zero.reload_masters()
+            if self.fp8 is not None:
+                self.fp8.stale()
 
     def release_all(self) -> None:
         for key in list(self.full) + list(self.pending):
@@ -318,6 +342,8 @@ class Stage3Coordinator:
         """Re-gather the units kept whole (after each optimizer step updated their shards); the
         secondary (hpZ) shards are stale from now on: the next forward gathers from the group."""
         self.secondary.clear()
+        if self.fp8 is not None:
+            self.fp8.stale()  # the step changed the shards: new amaxes at the next float8 gather
         for key in self.persistent:
             if self.full.pop(key, None) is not None:
                 self._live_numel -= self.numel(key)

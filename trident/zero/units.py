@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch
 
 
-def module_units(model: torch.nn.Module) -> tuple[list[list[torch.nn.Parameter]], dict]:
+def module_units(model: torch.nn.Module, alone=frozenset()) -> tuple[list[list[torch.nn.Parameter]], dict]:
     """Units of the model: each module's directly owned parameters, a shared parameter going to
-    its first owner. Returns the units and, per module, the parameters it uses directly."""
+    its first owner; the modules in `alone` give each parameter a unit of its own (a weight
+    gathered in float8, trident.zero.fp8_gather, apart from its bias). Returns the units and,
+    per module, the parameters it uses directly."""
     seen: set[int] = set()
     units, uses = [], {}
     for module in model.modules():
@@ -22,7 +24,9 @@ def module_units(model: torch.nn.Module) -> tuple[list[list[torch.nn.Parameter]]
             uses[module] = own
         fresh = [p for p in own if id(p) not in seen]
         seen.update(id(p) for p in fresh)
-        if fresh:
+        if fresh and module in alone:
+            units.extend([p] for p in fresh)
+        elif fresh:
             units.append(fresh)
     return units, uses
 
