@@ -2,7 +2,7 @@
 trident.optim.Muon (fp32, rtol 1e-5), with gradient clipping active on every step: data
 parallelism (ZeRO stage 0) holds whole matrices, so Newton-Schulz sees what one process sees;
 under ZeRO 1-3 (trident.zero.muon) each matrix is gathered to an owner rank and its shards
-scattered back. Offloaded optimizer states are refused until that step covers them."""
+scattered back; under ZeRO-Offload the momentum stays on the host. States on NVMe are refused."""
 
 from __future__ import annotations
 
@@ -142,14 +142,42 @@ def test_zero_init_parameters_keep_their_muon_matrices():
     assert wire == pytest.approx(moved, rel=0.01)
 
 
-def start_offloaded():
-    trident.initialize(model=make_model(), config=config(4, stage=2, offload="cpu"), mesh=cached_mesh())
+def train_offloaded(stage: int):
+    """ZeRO-Offload: momentum, masters and the step on the host, gathers and Newton-Schulz on the
+    parameters' device (here both the CPU: the paths still differ, host buffers vs partitions)."""
+    mesh = cached_mesh()
+    engine, _, _, _ = trident.initialize(model=make_model(), config=config(4, stage, offload="cpu"), mesh=mesh)
+    assert engine.strategy.placement.device == "cpu" and engine.strategy.muon is not None
+    data = make_tokens(4 * mesh.dp_size)
+    losses = []
+    for step in range(STEPS):
+        start = step * 4 * mesh.dp_size + mesh.dp_rank * 4
+        batch = data[start:start + 4]
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+        engine.step()
+        losses.append(engine.last_loss)
+    return losses, {k: v.float() for k, v in full_state_dict(engine).items()}
 
 
-def test_muon_with_offloaded_states_is_refused_with_the_key_named():
-    with pytest.raises(Exception, match="zero_optimization.offload_optimizer.device: Muon does not run with "
-                                        "offloaded optimizer states"):
-        run_on_ranks(1, start_offloaded)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_muon_with_optimizer_states_offloaded_to_the_host_matches_one_process(stage):
+    ref = serial_reference(8)
+    results = run_on_ranks(2, train_offloaded, stage)
+    assert_losses_close([sum(s) / 2 for s in zip(*[r[0] for r in results])], ref.losses, rtol=1e-5)
+    for _, weights in results:
+        assert_state_close(weights, ref.weights, rtol=1e-5)
+
+
+def start_nvme(path: str):
+    cfg = config(4, stage=2)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": path}
+    trident.initialize(model=make_model(), config=cfg, mesh=cached_mesh())
+
+
+def test_muon_with_states_on_nvme_is_refused_with_the_key_named(tmp_path):
+    with pytest.raises(Exception, match="zero_optimization.offload_optimizer.device: nvme: Muon keeps its "
+                                        "momentum in host memory"):
+        run_on_ranks(1, start_nvme, str(tmp_path))
 
 
 def train_resumed(root: str, stage: int, stage_after: int):

@@ -7,8 +7,9 @@ engine does) before the optimizer is built, and carries the tags to fp32 master 
 Newton-Schulz needs each matrix whole. Data parallelism (ZeRO stage 0) and pipeline stages
 hold whole matrices, so Muon runs there unchanged; under ZeRO 1-3 trident.zero.muon gathers
 each matrix's momentum-updated gradient, orthogonalizes it on an owner rank and scatters the
-shards back. Tensor-parallel slices are gathered whole over the tp group as well. Offloaded
-optimizer states are refused with a clear error until the distributed step covers them.
+shards back. Tensor-parallel slices are gathered whole over the tp group as well. Under
+ZeRO-Offload (offload_optimizer cpu) the momentum and the step stay on the host and the
+gathers and Newton-Schulz run on the model's device; NVMe-offloaded states are refused.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def check_muon_layout(optimizer: torch.optim.Optimizer, offload: str, mesh) -> N
         return
     if mesh.tp_size > 1:
         optimizer.tp_group = mesh.tp_group
-    if offload != "none":
+    if offload == "nvme":
         raise ConfigError([ConfigIssue("zero_optimization.offload_optimizer.device", (
-            f"Muon does not run with offloaded optimizer states in this version, got {offload!r}: its "
-            "distributed step gathers whole matrices on the device. Set offload_optimizer.device to none, "
-            "or use AdamW with offload"))])
+            "nvme: Muon keeps its momentum in host memory under ZeRO-Offload (device cpu) but does not swap "
+            "it to NVMe in this version (each step needs every matrix's momentum at once). Set "
+            "offload_optimizer.device to cpu or none"))])

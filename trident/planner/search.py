@@ -135,8 +135,8 @@ def _layouts(dp: int, tp: int, pp: int, workload: Workload, space: SearchSpace, 
         for opt, par in space.offloads:
             if (opt != "none" and stage == 0) or (par != "none" and stage != 3):
                 continue
-            if opt != "none" and workload.optimizer.lower() == "muon":
-                continue  # trident.engine.muon refuses offloaded Muon states
+            if opt == "nvme" and workload.optimizer.lower() == "muon":
+                continue  # trident.engine.muon refuses Muon states on NVMe
             for ckpt in space.checkpointing:
                 if cp > 1 and ckpt == "selective" and len(space.checkpointing) > 1:
                     continue  # no scores to drop under cp: selective is "none" plus recompute

@@ -94,12 +94,15 @@ class ShardedMuon:
         the parameter shards."""
         for g, pg in enumerate(self.groups):
             group = self.optimizer.param_groups[pg.opt_group]
-            device = pg.masters[0].device
+            device = pg.masters[0].device  # the momentum's: the host's under ZeRO-Offload
             u_shards = [torch.zeros(u.shard, dtype=torch.float32, device=device) for u in pg.layout.units]
+            compute = device
             for s, (spg, k, j) in enumerate(sub_groups):
                 if spg is not pg:
                     continue
-                grads = step_grads(chunk_grads(s), grad_coef)
+                chunks = chunk_grads(s)
+                compute = chunks[0].device  # the gradients' (the model's) device: gathers and Newton-Schulz there
+                grads = step_grads(chunks, grad_coef)
                 for m, grad, (u, start, end) in zip(pg.masters[k:j], grads, pg.chunks[k:j]):
                     state = self.optimizer.state[m]
                     if not state:
@@ -108,7 +111,11 @@ class ShardedMuon:
                                                              group["nesterov"])
             if g == 0:
                 self.seconds = dict.fromkeys(self.seconds, 0.0)
+            if compute != device:  # offloaded: momentum and the step on the host, the matrices on the device
+                u_shards = [u.to(compute, non_blocking=True) for u in u_shards]
             updates = self._orthogonalized_shards(g, pg, u_shards, group)
+            if compute != device:
+                updates = [u.to(device) for u in updates]
             for m, (u, start, end) in zip(pg.masters, pg.chunks):
                 apply_update(m, updates[u][start:end], group)
             write_shards(pg, 0, len(pg.masters))
