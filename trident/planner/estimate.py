@@ -81,7 +81,8 @@ class Estimate:
                  f"layout   {self.layout.describe()}" + _cp_text(self.layout, w),
                  f"batch    {w.global_batch} sequences x {w.seq_len} tokens = {w.tokens_per_step():,} tokens per step"
                  + (f" ({gas} micro-batches of {self.layout.micro_batch} per rank)" if gas else ""),
-                 f"format   {w.precision}, {w.optimizer}, {attention_kind(self.layout, w)} attention" + (", dropout" if w.dropout else "")]
+                 f"format   {w.precision}{' + fp8 GEMMs' if w.fp8 else ''}, {w.optimizer}, "
+                 f"{attention_kind(self.layout, w)} attention" + (", dropout" if w.dropout else "")]
         if w.lora_r:
             params, trainable = rank_parameter_counts(self.model, self.layout, w)
             lines.append(f"LoRA     r={w.lora_r} on {','.join(w.lora_targets)}: {trainable:,.0f} trainable of "
