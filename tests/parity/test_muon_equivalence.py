@@ -57,6 +57,21 @@ def serial_reference(global_batch: int) -> SerialRun:
     return train_serial(make_model(), [(b[:, :-1], b[:, 1:]) for b in data.split(global_batch)], "muon", LR, CLIP)
 
 
+def run_steps(engine, mesh, micro: int, first: int = 0, last: int = STEPS) -> tuple[list[float], list[float]]:
+    """Steps first..last-1, each on this dp rank's `micro` rows of a global batch of micro x dp;
+    the losses and global gradient norms."""
+    global_batch = micro * mesh.dp_size
+    data = make_tokens(global_batch)
+    losses, norms = [], []
+    for step in range(first, last):
+        batch = data[step * global_batch + mesh.dp_rank * micro:][:micro]
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+        engine.step()
+        losses.append(engine.last_loss)
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms
+
+
 def train_dp(micro: int, stage: int = 0, tp: int = 1):
     mesh = cached_mesh(tp=tp)
     model = make_model()
@@ -64,17 +79,8 @@ def train_dp(micro: int, stage: int = 0, tp: int = 1):
         parallelize(model, TP_PLAN, mesh)  # slices the full weights: qkv, fc by rows, proj by columns
     engine, _, _, _ = trident.initialize(model=model, config={**config(micro, stage), "tensor_parallel": {"size": tp}},
                                          mesh=mesh)
-    global_batch = micro * mesh.dp_size
-    data = make_tokens(global_batch)
     assert mesh.tp_size == tp
-    losses, norms = [], []
-    for step in range(STEPS):
-        start = step * global_batch + mesh.dp_rank * micro
-        batch = data[start:start + micro]
-        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
-        engine.step()
-        losses.append(engine.last_loss)
-        norms.append(engine.get_global_grad_norm())
+    losses, norms = run_steps(engine, mesh, micro)
     muon = sorted(n for n, p in engine.module.named_parameters() if p.use_muon)
     weights = {k: v.float() for k, v in full_state_dict(engine).items()}
     return losses, weights, norms, muon
@@ -148,14 +154,7 @@ def train_offloaded(stage: int):
     mesh = cached_mesh()
     engine, _, _, _ = trident.initialize(model=make_model(), config=config(4, stage, offload="cpu"), mesh=mesh)
     assert engine.strategy.placement.device == "cpu" and engine.strategy.muon is not None
-    data = make_tokens(4 * mesh.dp_size)
-    losses = []
-    for step in range(STEPS):
-        start = step * 4 * mesh.dp_size + mesh.dp_rank * 4
-        batch = data[start:start + 4]
-        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
-        engine.step()
-        losses.append(engine.last_loss)
+    losses, _ = run_steps(engine, mesh, 4)
     return losses, {k: v.float() for k, v in full_state_dict(engine).items()}
 
 
@@ -184,7 +183,6 @@ def train_resumed(root: str, stage: int, stage_after: int):
     """STEPS // 2 steps, a checkpoint, a fresh engine (maybe another ZeRO stage) loads it and
     trains the rest: Muon's momentum must come back exactly."""
     mesh = cached_mesh()
-    data = make_tokens(4 * mesh.dp_size)
     engine = None
     for first, last, st in ((0, STEPS // 2, stage), (STEPS // 2, STEPS, stage_after)):
         if engine is not None:
@@ -192,11 +190,7 @@ def train_resumed(root: str, stage: int, stage_after: int):
         engine, _, _, _ = trident.initialize(model=make_model(), config=config(4, st), mesh=mesh)
         if first:
             engine.load_checkpoint(root)
-        for step in range(first, last):
-            start = step * 4 * mesh.dp_size + mesh.dp_rank * 4
-            batch = data[start:start + 4]
-            engine.backward(engine(batch[:, :-1], batch[:, 1:]))
-            engine.step()
+        run_steps(engine, mesh, 4, first, last)
     return {k: v.float() for k, v in full_state_dict(engine).items()}
 
 
@@ -211,14 +205,7 @@ def train_bf16(stage: int):
     mesh = cached_mesh()
     engine, _, _, _ = trident.initialize(model=make_model(), config={**config(4, stage), "bf16": {"enabled": True}},
                                          mesh=mesh)
-    data = make_tokens(4 * mesh.dp_size)
-    losses = []
-    for step in range(STEPS):
-        start = step * 4 * mesh.dp_size + mesh.dp_rank * 4
-        batch = data[start:start + 4]
-        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
-        engine.step()
-        losses.append(engine.last_loss)
+    losses, _ = run_steps(engine, mesh, 4)
     muon = [p for g in engine.optimizer.param_groups if g["use_muon"] for p in g["params"]]
     return losses, len(muon), {p.dtype for p in muon}
 
@@ -250,11 +237,7 @@ def train_tp_bf16(user_built: bool):
                           {"params": [p for n, p in named.items() if n not in HIDDEN], "use_muon": False}],
                          lr=LR, weight_decay=ADAMW_WEIGHT_DECAY)
     engine, _, _, _ = trident.initialize(model=model, optimizer=optimizer, config=cfg, mesh=mesh)
-    data = make_tokens(4)
-    for step in range(STEPS):
-        batch = data[step * 4:(step + 1) * 4]
-        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
-        engine.step()
+    run_steps(engine, mesh, 4)
     return {k: v.float() for k, v in full_state_dict(engine).items()}
 
 
@@ -273,11 +256,7 @@ def train_part(root: str, stage: int, micro: int, first: int, last: int):
     engine, _, _, _ = trident.initialize(model=make_model(), config=config(micro, stage), mesh=mesh)
     if first:
         engine.load_checkpoint(root)
-    data = make_tokens(8)
-    for step in range(first, last):
-        batch = data[step * 8 + mesh.dp_rank * micro:][:micro]
-        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
-        engine.step()
+    run_steps(engine, mesh, micro, first, last)  # micro x dp = 8 rows a step on 2 ranks and on 1
     if last < STEPS:
         engine.save_checkpoint(root)
     return {k: v.float() for k, v in full_state_dict(engine).items()}
