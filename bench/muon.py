@@ -28,11 +28,10 @@ import json
 import subprocess
 import sys
 import tempfile
-from importlib import resources
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from token_loss import write_documents  # noqa: E402  (the same documents drawn from the corpus)
+from token_loss import prepare_shards  # noqa: E402  (the same documents drawn from the corpus)
 
 OPTIMIZERS = {
     "AdamW": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
@@ -155,11 +154,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        docs = write_documents(folder, args.docs)
-        tokenizer = resources.files("trident.data").joinpath("corpus/tokenizer.json")
-        subprocess.run([sys.executable, "-m", "trident.cli.main", "data", "prepare", str(docs), "--key", "text",
-                        "--tokenizer", str(tokenizer), "--out", str(folder / "shards"), "--append-eod"],
-                       check=True, capture_output=True)
+        prepare_shards(folder, args.docs)
         print(f"| optimizer | mean loss, steps 1-5 | mean loss, last 5 of {args.steps} |")
         print("| --- | ---: | ---: |")
         for name in OPTIMIZERS:

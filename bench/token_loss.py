@@ -39,6 +39,16 @@ def write_documents(folder: Path, count: int) -> Path:
     return path
 
 
+def prepare_shards(folder: Path, count: int) -> Path:
+    """`count` documents tokenized into shards under `folder / "shards"` by `trident data prepare`."""
+    docs = write_documents(folder, count)
+    tokenizer = resources.files("trident.data").joinpath("corpus/tokenizer.json")
+    subprocess.run([sys.executable, "-m", "trident.cli.main", "data", "prepare", str(docs), "--key", "text",
+                    "--tokenizer", str(tokenizer), "--out", str(folder / "shards"), "--append-eod"],
+                   check=True, capture_output=True)
+    return folder / "shards"
+
+
 def run(folder: Path, split: tuple[int, int, int], mode: str, steps: int) -> list[float]:
     nproc, micro, gas = split
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "steps_per_print": 0,
@@ -61,11 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        docs = write_documents(folder, args.docs)
-        tokenizer = resources.files("trident.data").joinpath("corpus/tokenizer.json")
-        subprocess.run([sys.executable, "-m", "trident.cli.main", "data", "prepare", str(docs), "--key", "text",
-                        "--tokenizer", str(tokenizer), "--out", str(folder / "shards"), "--append-eod"],
-                       check=True, capture_output=True)
+        prepare_shards(folder, args.docs)
         print("| loss_normalization | split | worst relative loss difference to 1 x 16 |")
         print("| --- | --- | ---: |")
         for mode in ("tokens", "micro_batch"):
