@@ -98,16 +98,23 @@ def _reference(world: int, fp8: dict | None, momentum: float, clip: float) -> Re
     return Reference(losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, first)
 
 
-def train(stage: int, fp8: dict = FP8, recompute: bool = False):
-    mesh = cached_mesh()
-    engine, _, _, _ = trident.initialize(model=make_model(), config=config(stage, fp8, recompute), mesh=mesh)
-    data, world, losses = tokens(mesh.dp_size), mesh.dp_size, []
+def run_steps(engine, mesh) -> tuple[list[float], list[float]]:
+    """STEPS steps, each on this dp rank's MICRO rows; the losses and global gradient norms."""
+    data, world, losses, norms = tokens(mesh.dp_size), mesh.dp_size, [], []
     for step in range(STEPS):
         start = (step * world + mesh.dp_rank) * MICRO
         batch = data[start:start + MICRO]
         engine.backward(engine(batch[:, :-1], batch[:, 1:]))
         engine.step()
         losses.append(engine.last_loss)
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms
+
+
+def train(stage: int, fp8: dict = FP8, recompute: bool = False):
+    mesh = cached_mesh()
+    engine, _, _, _ = trident.initialize(model=make_model(), config=config(stage, fp8, recompute), mesh=mesh)
+    losses, _ = run_steps(engine, mesh)
     kinds = sorted({type(m).__name__ for m in engine.module.modules()} & {"Float8Linear", "Linear"})
     if stage == 3:
         weights = None  # partitioned: the losses after each step carry the weights' agreement

@@ -19,8 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-import trident
-from tests.parity.test_tp_hf import BATCH, make, tokens
+from tests.parity.test_tp_hf import BATCH, make, tokens, train_rows
 from trident.config import load_config
 from trident.engine.full_state import full_state_dict
 from trident.precision.fp8 import float8_config
@@ -77,16 +76,9 @@ def reference(clip: float):
 
 
 def train(stage: int, fp8: dict = FP8, clip: float = CLIP):
-    mesh = cached_mesh()
-    micro = BATCH // mesh.dp_size
-    cfg = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 0, "gradient_clipping": clip,
-           "optimizer": optimizer_section("sgd", LR), "zero_optimization": {"stage": stage}, "fp8": fp8}
-    engine, *_ = trident.initialize(model=make("gpt2"), config=cfg, mesh=mesh)
-    losses = []
-    for batch in tokens().split(BATCH):
-        engine.backward(engine(batch[mesh.dp_rank * micro:(mesh.dp_rank + 1) * micro]))
-        engine.step()
-        losses.append(engine.last_loss)
+    cfg = {"gradient_clipping": clip, "optimizer": optimizer_section("sgd", LR), "zero_optimization": {"stage": stage},
+           "fp8": fp8}
+    engine, losses, _ = train_rows("gpt2", cfg, cached_mesh())
     return losses, {k: v.float() for k, v in full_state_dict(engine).items()}, engine.fp8_report
 
 

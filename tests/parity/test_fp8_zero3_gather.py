@@ -13,10 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("torchao.float8")
-
 import trident
-from tests.parity.test_fp8_equivalence import FP8, STEPS, MICRO, config, make_model, mean_losses, tokens
+from tests.parity.test_fp8_equivalence import FP8, STEPS, config, make_model, mean_losses, run_steps
 from trident.testing.distributed import cached_mesh, run_on_ranks
 from trident.testing.parity import assert_losses_close
 
@@ -39,15 +37,8 @@ def train(all_gather: bool, recompute: bool = False, persistence: int = 0, reuse
     mesh = cached_mesh()
     engine, *_ = trident.initialize(model=make_model(), config=gather_config(all_gather, recompute, persistence, reuse, bf16),
                                     mesh=mesh)
-    data, world, losses, norms = tokens(mesh.dp_size), mesh.dp_size, [], []
     engine.comms_logger.reset()
-    for step in range(STEPS):
-        start = (step * world + mesh.dp_rank) * MICRO
-        batch = data[start:start + MICRO]
-        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
-        engine.step()
-        losses.append(engine.last_loss)
-        norms.append(engine.get_global_grad_norm())
+    losses, norms = run_steps(engine, mesh)
     traffic = {op: s.bytes for op, s in engine.comms_logger.totals().items()}  # over STEPS steps
     coord = engine.strategy.coordinator
     fp8_units = sorted(coord.numel(k) for k in coord.fp8.modules) if coord.fp8 is not None else []

@@ -13,9 +13,8 @@ from __future__ import annotations
 import pytest
 import transformers
 
-import trident
 from tests.parity.test_pp_hf import CONFIGS, MICRO, check, make, train_pp
-from tests.parity.test_tp_hf import BATCH, check_tp, tokens
+from tests.parity.test_tp_hf import BATCH, check_tp, tokens, train_rows
 from tests.parity.test_tp_hf import make as make_loss
 from trident.engine.full_state import full_state_dict
 from trident.parallel.adapter import adapter_for
@@ -53,16 +52,9 @@ MUON_LR, MUON_CLIP = 3e-3, 0.05
 
 def train_muon(stage: int):
     """Muon over dp 2 under ZeRO `stage`: each rank its rows of every batch."""
-    mesh = cached_mesh()
-    micro = BATCH // mesh.dp_size
-    cfg = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 0, "gradient_clipping": MUON_CLIP,
-           "optimizer": optimizer_section("muon", MUON_LR), "zero_optimization": {"stage": stage}}
-    engine, *_ = trident.initialize(model=make_loss("mixtral"), config=cfg, mesh=mesh)
-    losses = []
-    for batch in tokens().split(BATCH):
-        engine.backward(engine(batch[mesh.dp_rank * micro:(mesh.dp_rank + 1) * micro]))
-        engine.step()
-        losses.append(engine.last_loss)
+    cfg = {"gradient_clipping": MUON_CLIP, "optimizer": optimizer_section("muon", MUON_LR),
+           "zero_optimization": {"stage": stage}}
+    engine, losses, _ = train_rows("mixtral", cfg, cached_mesh())
     return losses, {k: v.float() for k, v in full_state_dict(engine).items()}
 
 

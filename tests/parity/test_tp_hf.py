@@ -32,20 +32,28 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS * BATCH, SEQ), generator=torch.Generator().manual_seed(3))
 
 
-def train_tp(kind: str, tp: int, plan: str, sequence_parallel: bool = False, stage: int = 0):
-    """tp over `tp` ranks, dp over the rest of the world (each dp rank its rows of every batch)."""
-    mesh = cached_mesh(tp=tp)
+def train_rows(kind: str, config: dict, mesh):
+    """An engine of model `kind` under `config` (the micro-batch filled in), each dp rank training
+    on its rows of every batch; (engine, losses, global gradient norms)."""
     micro = BATCH // mesh.dp_size
-    cfg = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 0, "gradient_clipping": SGD_CLIP,
-           "optimizer": optimizer_section("sgd", SGD_LR), "zero_optimization": {"stage": stage},
-           "tensor_parallel": {"size": tp, "plan": plan, "sequence_parallel": sequence_parallel}}
-    engine, *_ = trident.initialize(model=make(kind), config=cfg, mesh=mesh)
+    engine, *_ = trident.initialize(model=make(kind), config={"train_micro_batch_size_per_gpu": micro,
+                                                              "steps_per_print": 0, **config}, mesh=mesh)
     losses, norms = [], []
     for batch in tokens().split(BATCH):
         engine.backward(engine(batch[mesh.dp_rank * micro:(mesh.dp_rank + 1) * micro]))
         engine.step()
         losses.append(engine.last_loss)
         norms.append(engine.get_global_grad_norm())
+    return engine, losses, norms
+
+
+def train_tp(kind: str, tp: int, plan: str, sequence_parallel: bool = False, stage: int = 0):
+    """tp over `tp` ranks, dp over the rest of the world (each dp rank its rows of every batch)."""
+    mesh = cached_mesh(tp=tp)
+    cfg = {"gradient_clipping": SGD_CLIP, "optimizer": optimizer_section("sgd", SGD_LR),
+           "zero_optimization": {"stage": stage},
+           "tensor_parallel": {"size": tp, "plan": plan, "sequence_parallel": sequence_parallel}}
+    engine, losses, norms = train_rows(kind, cfg, mesh)
     weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     return losses, norms, weights, shard_specs(engine.module), mesh.dp_rank
 
