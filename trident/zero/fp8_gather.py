@@ -74,7 +74,8 @@ class Float8Gather:
         scales = {}
         for keys in by_group.values():
             comm = self.coordinator.units[keys[0]][0].comm
-            amax = torch.stack([torch.max(torch.abs(self.coordinator._shard(k))).float() for k in keys])
+            # max |x| of every shard in one multi-tensor kernel (the infinity norm), not one per weight
+            amax = torch.stack(torch._foreach_norm([self.coordinator._shard(k) for k in keys], float("inf"))).float()
             if comm.world > 1:
                 collectives.all_reduce(amax, torch.distributed.ReduceOp.MAX, group=comm.group,
                                        logger=self.coordinator.zero.logger)
