@@ -208,12 +208,12 @@ def _convert_fp8(model, cfg, mesh, device):
     from trident.precision.fp8_conv1d import convert_conv1d
     from trident.tensor_parallel.fp8_convert import convert_tp_layers
     check_fp8_hardware(cfg.fp8, device)
-    tp_converted, tp_kept = convert_tp_layers(model, cfg.fp8)  # tp-split layers: scales from tp-wide amaxes
+    converted, kept = convert_tp_layers(model, cfg.fp8)  # tp-split layers: scales from tp-wide amaxes
     conv_converted, conv_kept = convert_conv1d(model, cfg.fp8)  # transformers' Conv1D (GPT-2)
-    tp_converted, tp_kept = tp_converted + conv_converted, {**tp_kept, **conv_kept}
-    report = apply_fp8(model, cfg.fp8, device, allow_none=bool(tp_converted or tp_kept))
-    converted = list(dict.fromkeys(report.converted + tp_converted))  # Float8Conv1D is a Float8Linear too
-    kept = {**report.kept, **tp_kept}
+    converted, kept = converted + conv_converted, {**kept, **conv_kept}
+    report = apply_fp8(model, cfg.fp8, device, allow_none=bool(converted or kept))
+    converted = list(dict.fromkeys(report.converted + converted))  # Float8Conv1D is a Float8Linear too
+    kept = {**report.kept, **kept}
     kept.update(unconverted_matmuls(model, set(converted) | set(kept)))
     return dataclasses.replace(report, converted=converted, kept=kept)
 
