@@ -84,6 +84,17 @@ def momentum_update(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nest
     return grad.add(buf, alpha=momentum) if nesterov else buf.clone()
 
 
+def momentum_updates(grads: list[torch.Tensor], bufs: list[torch.Tensor], out: list[torch.Tensor], momentum: float,
+                     nesterov: bool) -> None:
+    """`momentum_update` over lists, U written into `out`: a few multi-tensor kernels for any
+    number of pieces (the ZeRO step's shards), the same arithmetic element for element."""
+    torch._foreach_mul_(bufs, momentum)
+    torch._foreach_add_(bufs, grads)
+    torch._foreach_copy_(out, grads if nesterov else bufs)
+    if nesterov:
+        torch._foreach_add_(out, bufs, alpha=momentum)
+
+
 def orthogonalize(u: torch.Tensor, shape: tuple[int, ...], group: dict, stacked: bool = False) -> torch.Tensor:
     """NS(U) times the lr ratio, for a whole tensor of `shape` (its elements in any layout): one
     matrix of shape[0] rows, or with `stacked` (experts stacked in one 3-D tensor) one matrix
@@ -104,6 +115,12 @@ def is_stacked(p: torch.Tensor) -> bool:
 def apply_update(p: torch.Tensor, update: torch.Tensor, group: dict) -> None:
     """Decoupled weight decay, then the step (elementwise: valid on shards)."""
     p.mul_(1 - group["lr"] * group["weight_decay"]).add_(update.to(p.dtype), alpha=-group["lr"])
+
+
+def apply_updates(params: list[torch.Tensor], updates: list[torch.Tensor], group: dict) -> None:
+    """`apply_update` over lists of fp32 shards, as two multi-tensor kernels."""
+    torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+    torch._foreach_add_(params, updates, alpha=-group["lr"])
 
 
 def adamw_update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:

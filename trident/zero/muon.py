@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from trident.comm import collectives
-from trident.optim.muon import (apply_update, is_stacked, momentum_update, orthogonalize, orthogonalize_tp_slice,
+from trident.optim.muon import (apply_updates, is_stacked, momentum_updates, orthogonalize, orthogonalize_tp_slice,
                                 tp_spec)
 
 
@@ -95,36 +95,45 @@ class ShardedMuon:
         for g, pg in enumerate(self.groups):
             group = self.optimizer.param_groups[pg.opt_group]
             device = pg.masters[0].device  # the momentum's: the host's under ZeRO-Offload
-            u_shards = [torch.zeros(u.shard, dtype=torch.float32, device=device) for u in pg.layout.units]
+            u_flat = torch.zeros(pg.layout.partition_numel, dtype=torch.float32, device=device)
             compute = device
             for s, (spg, k, j) in enumerate(sub_groups):
                 if spg is not pg:
                     continue
                 chunks = chunk_grads(s)
                 compute = chunks[0].device  # the gradients' (the model's) device: gathers and Newton-Schulz there
-                grads = step_grads(chunks, grad_coef)
-                for m, grad, (u, start, end) in zip(pg.masters[k:j], grads, pg.chunks[k:j]):
-                    state = self.optimizer.state[m]
-                    if not state:
-                        state["momentum_buffer"] = torch.zeros_like(m)
-                    u_shards[u][start:end] = momentum_update(grad, state["momentum_buffer"], group["momentum"],
-                                                             group["nesterov"])
+                masters = pg.masters[k:j]
+                for m in masters:
+                    if not self.optimizer.state[m]:
+                        self.optimizer.state[m]["momentum_buffer"] = torch.zeros_like(m)
+                momentum_updates(step_grads(chunks, grad_coef),
+                                 [self.optimizer.state[m]["momentum_buffer"] for m in masters],
+                                 self._pieces(pg, u_flat, k, j), group["momentum"], group["nesterov"])
             if g == 0:
                 self.seconds = dict.fromkeys(self.seconds, 0.0)
             if compute != device:  # offloaded: momentum and the step on the host, the matrices on the device
-                u_shards = [u.to(compute, non_blocking=True) for u in u_shards]
-            updates = self._orthogonalized_shards(g, pg, u_shards, group)
+                u_flat = u_flat.to(compute, non_blocking=True)
+            updates = self._orthogonalized_shards(g, pg, u_flat, group)
             if compute != device:
-                updates = [u.to(device) for u in updates]
-            for m, (u, start, end) in zip(pg.masters, pg.chunks):
-                apply_update(m, updates[u][start:end], group)
+                updates = updates.to(device)
+            apply_updates(pg.masters, self._pieces(pg, updates, 0, len(pg.masters)), group)
             write_shards(pg, 0, len(pg.masters))
 
-    def _orthogonalized_shards(self, g: int, pg, u_shards: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
-        """This rank's shard of every unit's update: each unit's shards gathered to its owner
-        (all gathers issued before any is waited on), the owners orthogonalizing their units
-        side by side, the shards scattered back (all at once again)."""
+    @staticmethod
+    def _pieces(pg, flat: torch.Tensor, k: int, j: int) -> list[torch.Tensor]:
+        """Views of `flat` (laid out as the partition: each unit's shard at its offset) under
+        master chunks k..j-1."""
+        units = pg.layout.units
+        return [flat[units[u].partition_offset + start:units[u].partition_offset + end]
+                for u, start, end in pg.chunks[k:j]]
+
+    def _orthogonalized_shards(self, g: int, pg, u_flat: torch.Tensor, group: dict) -> torch.Tensor:
+        """This rank's shard of every unit's update, laid out as `u_flat` (as the partition):
+        each unit's shards gathered to its owner (all gathers issued before any is waited on),
+        the owners orthogonalizing their units side by side, the shards scattered back (all at
+        once again)."""
         comm, units = pg.comm, pg.layout.units
+        u_shards = [u_flat[unit.partition_offset:unit.partition_offset + unit.shard] for unit in units]
         owners = [self.owners[(g, unit.index)] for unit in units]
         wholes: dict[int, torch.Tensor] = {}
         handles = []
@@ -141,7 +150,8 @@ class ShardedMuon:
         gathered = time.perf_counter()
         outs = {i: self._orthogonalized(pg, units[i], whole, group) for i, whole in wholes.items()}
         orthogonalized = time.perf_counter()
-        shards = [torch.empty_like(u) for u in u_shards]
+        out_flat = torch.empty_like(u_flat)
+        shards = [out_flat[unit.partition_offset:unit.partition_offset + unit.shard] for unit in units]
         handles = [collectives.scatter(shards[unit.index], list(outs[unit.index].split(unit.shard))
                                        if unit.index in outs else None, owner, group=comm.group, async_op=True,
                                        logger=self.logger)
@@ -152,7 +162,7 @@ class ShardedMuon:
         for phase, seconds in (("gather", gathered - start), ("newton_schulz", orthogonalized - gathered),
                                ("scatter", done - orthogonalized)):
             self.seconds[phase] += seconds
-        return shards
+        return out_flat
 
     def _orthogonalized(self, pg, unit, whole: torch.Tensor, group: dict) -> torch.Tensor:
         """A unit's update, made whole on its owner: each matrix orthogonalized (a tp slice
