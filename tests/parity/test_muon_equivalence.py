@@ -267,3 +267,29 @@ def test_muon_state_reshards_from_two_ranks_to_one(tmp_path):
     run_on_ranks(2, train_part, str(tmp_path), 2, 4, 0, STEPS // 2)
     (weights,) = run_on_ranks(1, train_part, str(tmp_path), 0, 8, STEPS // 2, STEPS)
     assert_state_close(weights, serial_reference(8).weights, rtol=1e-5)
+
+
+DEEPSPEED_MUON_CONFIG = {"train_batch_size": 4, "optimizer": {"type": "muon", "params": {"lr": 0.02}},
+                         "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+                         "zero_allow_untested_optimizer": True}
+"""The config of DeepSpeed's own Muon tests (tests/unit/ops/muon/test_muon.py, its bf16 checkpoint
+case), as they write it: lower-case type, one lr for both groups."""
+
+
+def deepspeed_script_groups():
+    """`import trident as deepspeed`, the way a DeepSpeed script starts Muon: `deepspeed.initialize`
+    with `model_parameters` and DeepSpeed's config."""
+    import trident as deepspeed
+    model = make_model()
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=DEEPSPEED_MUON_CONFIG, mesh=cached_mesh())
+    return [(g["use_muon"], g["lr"], g.get("adjust_lr"), len(g["params"])) for g in engine.optimizer.param_groups]
+
+
+def test_deepspeeds_own_muon_config_builds_what_deepspeed_builds():
+    """DeepSpeed's engine gives `lr` to both MuonWithAuxAdam groups and scales updates by
+    sqrt(max(1, n / m)): the Muon group here holds the hidden matrices, AdamW the rest, both at 0.02."""
+    groups = run_on_ranks(1, deepspeed_script_groups)[0]
+    muon = [g for g in groups if g[0]]
+    adam = [g for g in groups if not g[0]]
+    assert muon and adam and {g[1] for g in groups} == {0.02} and {g[2] for g in muon} == {"spectral"}
