@@ -160,7 +160,10 @@ class Watchdog:
                 time.sleep(0.05)
         rank = self.recorder.rank
         if info is not None and info.get("kind") == "failure":
-            print(failure_line(rank, info), file=sys.stderr)
+            # one write, newline included: ranks share the launcher's stderr, and print's separate
+            # write of "\n" let another rank's line land in between (seen in CI)
+            sys.stderr.write(failure_line(rank, info) + "\n")
+            sys.stderr.flush()
             write_error_file("peer", f"stopped because rank {info['rank']} failed", rank, {"cause_rank": info["rank"]})
             self._leave(self.world_size - (info["rank"] != 0))
         self._publish_state()
