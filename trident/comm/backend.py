@@ -106,12 +106,37 @@ def _shutdown() -> None:
         time.sleep(_EXIT_SETTLE_S)
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> DistEnv:
+def _init_from_url(backend: str, init_method: str, rank: int, world_size: int, timeout_s: float) -> DistEnv:
+    """A file:// or tcp:// rendezvous; the rank and world size come from the call or the environment."""
+    if not str(init_method).startswith(("file://", "tcp://")):
+        raise ValueError(f"init_method must be 'env://', 'file://<path>' or 'tcp://<host>:<port>', got {init_method!r}")
+    rank = rank if rank >= 0 else int(os.environ.get("RANK", -1))
+    world_size = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", -1))
+    if rank < 0 or world_size <= 0:
+        raise ValueError(f"init_method={init_method!r} needs rank= and world_size= (or RANK / WORLD_SIZE set)")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    atexit.register(_shutdown)
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend,
+                   device=default_device(backend))
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 1800.0, init_method: str | None = None,
+                     rank: int = -1, world_size: int = -1) -> DistEnv:
     """Start the default process group once, from torchrun's environment, and describe it.
 
     Returns the existing group's description when torch.distributed is already initialised.
-    `timeout_s` bounds how long any collective waits for the other ranks.
+    `timeout_s` bounds how long any collective waits for the other ranks. `init_method`
+    "file://..." or "tcp://..." is a rendezvous torch.distributed takes as it is, with `rank` /
+    `world_size` given or read from RANK / WORLD_SIZE (for jobs not started by a launcher).
     """
+    if init_method not in (None, "env://") and not dist.is_initialized():
+        return _init_from_url(choose_backend(backend), init_method, rank, world_size, timeout_s)
     if dist.is_initialized():
         return _current_env()
     if not timeout_s > 0:

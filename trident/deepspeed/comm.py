@@ -113,14 +113,16 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      dist_init_required: bool | None = None, config: Any = None, rank: int = -1,
                      world_size: int = -1) -> DistEnv:
     """Start torch.distributed as `deepspeed.init_distributed` does, from torchrun's (or
-    `trident launch`'s) environment. `rank` / `world_size` given explicitly fill the
+    `trident launch`'s) environment, or from a file:// / tcp:// `init_method` with `rank` /
+    `world_size` (or RANK / WORLD_SIZE). `rank` / `world_size` given explicitly fill the
     environment for the rest; `distributed_port` is MASTER_PORT when none is set. With no
     launcher environment at all, a world of one process. MPI discovery is not done: start with
     torchrun or `trident launch` (`auto_mpi_discovery` is accepted and has no effect)."""
     del auto_mpi_discovery, verbose, config, dist_init_required
-    if init_method not in (None, "env://"):
-        raise ValueError(f"init_distributed(init_method={init_method!r}): trident starts from the launcher's "
-                         "environment (env://) only; start the job with torchrun or `trident launch`")
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or 1800.0)
+    backend = {"cpu:gloo": "gloo", "ccl": "gloo", "mpi": "gloo"}.get(dist_backend or "", dist_backend)
+    if init_method not in (None, "env://"):  # file:// or tcp://, as torch.distributed takes them
+        return _start(backend, timeout_s=float(seconds), init_method=init_method, rank=rank, world_size=world_size)
     if rank >= 0 and world_size > 0:
         os.environ.setdefault("RANK", str(rank))
         os.environ.setdefault("WORLD_SIZE", str(world_size))
@@ -128,8 +130,6 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "RANK" in os.environ:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or 1800.0)
-    backend = {"cpu:gloo": "gloo", "ccl": "gloo", "mpi": "gloo"}.get(dist_backend or "", dist_backend)
     return _start(backend, timeout_s=float(seconds))
 
 

@@ -79,8 +79,7 @@ def initialize(
     checked to be the mesh's. `mesh` lets a caller (a test, or two engines in one process) pass
     the process groups explicitly.
     """
-    if model is None:
-        raise ValueError("trident.initialize needs model=<your torch.nn.Module>")
+    assert model is not None, "deepspeed.initialize requires a model"  # DeepSpeed asserts, with this message
     source = config if config is not None else config_params
     if source is None and args is not None:
         source = (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)

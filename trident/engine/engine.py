@@ -218,7 +218,8 @@ class Engine(DeepSpeedEngineAPI, BatchGetters, torch.nn.Module):
             (loss.float() * scale).backward(retain_graph=retain_graph)
             self.strategy.finish_backward()
         self._backward_pending = True
-        return loss
+        # DeepSpeed returns the loss as it scales it for accumulation (not the fp16 loss scale)
+        return loss / self.batch.gradient_accumulation_steps if scale_wrt_gas and tokens is None else loss
 
     def step(self) -> None:
         """Advance one micro-step; on the boundary, take the optimizer step."""

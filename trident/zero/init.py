@@ -19,6 +19,7 @@ through (with `modifier_rank`, they are still broadcast over the engine's data-p
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable, Iterable
 
 import torch
@@ -80,7 +81,7 @@ class Init:
         if data_parallel_group is None and mpu is not None:
             data_parallel_group = mpu.get_data_parallel_group()
         config_dict_or_path = config_dict_or_path if config_dict_or_path is not None else config
-        if config_dict_or_path is not None:
+        if config_dict_or_path is not None and enabled:  # disabled, DeepSpeed builds the model as is
             from trident.config.loader import read_json
             data = config_dict_or_path if isinstance(config_dict_or_path, dict) else read_json(config_dict_or_path)
             zero = data.get("zero_optimization", {})
@@ -97,6 +98,9 @@ class Init:
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
+        if not dist.is_initialized() and "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+            from trident.comm import init_distributed  # DeepSpeed starts the group from the environment
+            init_distributed()
         if not dist.is_initialized():
             raise RuntimeError("zero.Init needs torch.distributed initialised (trident.comm.init_distributed())")
         if self.group is None:
