@@ -75,3 +75,25 @@ def test_init_distributed_rejects_an_unknown_init_method():
     from trident.comm.backend import _init_from_url
     with pytest.raises(ValueError, match="init_method must be"):
         _init_from_url("gloo", "udp://x", 0, 1, 10.0)
+
+
+_INIT_FROM_ENV = """
+import torch, torch.distributed as dist, trident as deepspeed
+assert not dist.is_initialized()
+with deepspeed.zero.Init():
+    layer = torch.nn.Linear(4, 2)
+assert dist.is_initialized() and dist.get_world_size() == 1
+dist.destroy_process_group()
+"""
+
+
+def test_zero_init_starts_torch_distributed_from_the_environment():
+    """DeepSpeed's zero.Init() with RANK / WORLD_SIZE / MASTER_* set starts the group itself."""
+    import os
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    done = subprocess.run([sys.executable, "-c", _INIT_FROM_ENV], env=env, capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
