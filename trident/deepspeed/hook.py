@@ -38,6 +38,7 @@ MODULES: dict[str, str] = {
     "deepspeed.accelerator": "trident.deepspeed.accelerator",
     "deepspeed.runtime": "trident.deepspeed.runtime",
     "deepspeed.profiling": "trident.profiling",
+    "deepspeed.git_version_info": "trident.deepspeed.git_version_info",
 }
 """DeepSpeed's module -> the trident module standing in for it; a module below one of these
 (`deepspeed.runtime.pipe.module`) is the same path below its counterpart."""
