@@ -20,3 +20,12 @@ def test_op_builder_answers_as_build_without_ops():
             "try:\n    CPUAdamBuilder().load()\nexcept NotInTrident as e:\n    assert 'CPUAdamBuilder' in str(e)\n"
             "else:\n    raise SystemExit('load() did not raise')\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_internal_module_without_counterpart_is_named_error():
+    code = ("import trident; trident.install_as_deepspeed()\n"
+            "from trident.deepspeed.errors import NotInTridentModule\n"
+            "try:\n    import deepspeed.inference.v2.kernels\nexcept NotInTridentModule as e:\n"
+            "    assert 'deepspeed.inference' in str(e) and 'Coming from DeepSpeed' in str(e)\n"
+            "else:\n    raise SystemExit('imported')\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -47,7 +47,7 @@ _switched_on = False
 
 
 def target_of(fullname: str) -> str:
-    """The trident module standing in for DeepSpeed module `fullname` (raises ModuleNotFoundError)."""
+    """The trident module standing in for DeepSpeed module `fullname` (raises NotInTridentModule, a ModuleNotFoundError)."""
     parts = fullname.split(".")
     for cut in range(len(parts), 0, -1):
         base = MODULES.get(".".join(parts[:cut]))
@@ -56,7 +56,9 @@ def target_of(fullname: str) -> str:
             if cut == len(parts) or importlib.util.find_spec(target) is not None:
                 return target
             break
-    raise ModuleNotFoundError(
+    from trident.deepspeed.errors import NotInTridentModule
+
+    raise NotInTridentModule(
         f"No module named {fullname!r}: trident stands in for DeepSpeed here (import trident as deepspeed, "
         f"trident launch --as-deepspeed or trident.install_as_deepspeed()) and has no counterpart of it; "
         f"see README.md, \"Coming from DeepSpeed\", for what a DeepSpeed script can import", name=fullname)
