@@ -1,4 +1,4 @@
-"""pytest plugin (`-p bench._ds_unit_plugin`) for DeepSpeed's own tests/unit, harness unmodified.
+"""pytest plugin (`-p _ds_unit_plugin`, bench/ on the path) for DeepSpeed's own tests/unit, harness unmodified.
 
 With TRIDENT_DS_SWITCH=1 it turns trident's switch on before collection; always it deselects
 tests that need more than 2 ranks (a class `world_size` above 2, or a list with one)."""

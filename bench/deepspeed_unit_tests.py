@@ -28,10 +28,10 @@ RESULTS = ROOT / "bench" / "results"
 def run_file(python: str, src: Path, rel: str, switch: bool, timeout: int) -> dict[str, str]:
     """Test id -> outcome ("passed", "failed", "skipped", "error") for one file."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", TRIDENT_DS_SWITCH="1" if switch else "0",
-               PYTHONPATH=str(ROOT))
+               PYTHONPATH=os.pathsep.join([str(ROOT / "bench"), str(ROOT)]))
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "r.xml"
-        cmd = [python, "-m", "pytest", "-q", "-p", "bench._ds_unit_plugin", f"--junitxml={xml}",
+        cmd = [python, "-m", "pytest", "-q", "-p", "_ds_unit_plugin", f"--junitxml={xml}",
                f"tests/unit/{rel}"]
         try:
             subprocess.run(cmd, cwd=src, env=env, timeout=timeout, capture_output=True)
