@@ -38,6 +38,7 @@ MODULES: dict[str, str] = {
     "deepspeed.accelerator": "trident.deepspeed.accelerator",
     "deepspeed.runtime": "trident.deepspeed.runtime",
     "deepspeed.profiling": "trident.profiling",
+    "deepspeed.git_version_info": "trident.deepspeed.git_version_info",
 }
 """DeepSpeed's module -> the trident module standing in for it; a module below one of these
 (`deepspeed.runtime.pipe.module`) is the same path below its counterpart."""
@@ -46,7 +47,7 @@ _switched_on = False
 
 
 def target_of(fullname: str) -> str:
-    """The trident module standing in for DeepSpeed module `fullname` (raises ModuleNotFoundError)."""
+    """The trident module standing in for DeepSpeed module `fullname` (raises NotInTridentModule, a ModuleNotFoundError)."""
     parts = fullname.split(".")
     for cut in range(len(parts), 0, -1):
         base = MODULES.get(".".join(parts[:cut]))
@@ -55,7 +56,9 @@ def target_of(fullname: str) -> str:
             if cut == len(parts) or importlib.util.find_spec(target) is not None:
                 return target
             break
-    raise ModuleNotFoundError(
+    from trident.deepspeed.errors import NotInTridentModule
+
+    raise NotInTridentModule(
         f"No module named {fullname!r}: trident stands in for DeepSpeed here (import trident as deepspeed, "
         f"trident launch --as-deepspeed or trident.install_as_deepspeed()) and has no counterpart of it; "
         f"see README.md, \"Coming from DeepSpeed\", for what a DeepSpeed script can import", name=fullname)
