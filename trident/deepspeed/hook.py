@@ -34,6 +34,7 @@ MODULES: dict[str, str] = {
     "deepspeed.utils": "trident.utils",
     "deepspeed.zero": "trident.zero",
     "deepspeed.checkpointing": "trident.checkpointing",
+    "deepspeed.checkpoint": "trident.deepspeed.ds_checkpoint",
     "deepspeed.moe": "trident.moe",
     "deepspeed.accelerator": "trident.deepspeed.accelerator",
     "deepspeed.runtime": "trident.deepspeed.runtime",

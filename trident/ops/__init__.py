@@ -1,5 +1,5 @@
 """`deepspeed.ops`' names, as `import trident as deepspeed` finds them (`trident.deepspeed.ops`)."""
 
-from trident.ops import adam
+from trident.ops import adagrad, adam
 
-__all__ = ["adam"]
+__all__ = ["adagrad", "adam"]
