@@ -186,3 +186,20 @@ def test_shards_of_another_tokenizer_are_refused(tmp_path, tokenizer):
                                          rf"with another tokenizer"):
         build_loader(DataConfig(), tokenizer=tokenizer, **kwargs)
     next(build_loader(DataConfig(), tokenizer=other, **kwargs))
+
+
+def test_eod_token_names_the_end_of_text_token(tmp_path, tokenizer, capsys):
+    """--eod-token for a tokenizer whose end-of-text token has another name; clear error if absent."""
+    (tmp_path / "doc.txt").write_text("In the beginning.\nAnd the earth.\n")
+    name = next(t for t in tokenizer.get_vocab(with_added_tokens=True) if t not in prepare_mod.EOD_NAMES)
+    want = tokenizer.token_to_id(name)
+    assert trident_main(["data", "prepare", str(tmp_path / "doc.txt"), "--tokenizer", "bundled",
+                         "--out", str(tmp_path / "o"), "--append-eod", "--eod-token", name]) == 0
+    ds = IndexedDataset(tmp_path / "o" / "doc")
+    assert [int(ds[i][-1]) for i in range(len(ds))] == [want, want]
+    assert trident_main(["data", "prepare", str(tmp_path / "doc.txt"), "--tokenizer", "bundled",
+                         "--out", str(tmp_path / "p"), "--append-eod", "--eod-token", "<|no such token|>"]) == 1
+    err = capsys.readouterr().err
+    assert "--eod-token '<|no such token|>' is not in the tokenizer's vocabulary" in err
+    with pytest.raises(ValueError, match="only applies with --append-eod"):
+        prepare([tmp_path / "doc.txt"], tokenizer, tmp_path / "q", eod_token=name, progress=False)

@@ -65,3 +65,13 @@ def test_more_memory_per_gpu_never_fits_fewer_layouts():
     small = search(model, make_cluster("a100-40gb", 8, 8), w, SMALL)
     big = search(model, make_cluster("a100-80gb", 8, 8), w, SMALL)
     assert {c.layout for c in small.ranked} <= {c.layout for c in big.ranked}
+
+
+def test_does_not_fit_columns_stay_apart():
+    """A long layout (offload=cpu/cpu) keeps at least two spaces before its reason."""
+    result = search(model_preset("gpt3-175b"), make_cluster("v100-32gb", 1, 1), Workload(2048, 8),
+                    SearchSpace(micro_batches=(1,), checkpointing=("selective",), zero_stages=(3,),
+                                offloads=(("cpu", "cpu"),)))
+    rows = result.format().split("does not fit (")[1].splitlines()[1:]
+    assert rows and all("  needs " in r for r in rows if "needs" in r)
+    assert any("cpu/cpu" in r for r in rows) and not any("cpu/cpuneeds" in r for r in rows)

@@ -20,6 +20,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", required=True, help="output folder: one <input name>.bin/.idx per input")
     p.add_argument("--workers", type=positive_int, default=1, help="tokenizer processes (default 1)")
     p.add_argument("--append-eod", action="store_true", help="end every document with the end-of-text token")
+    p.add_argument("--eod-token", default=None, metavar="TEXT",
+                   help="with --append-eod: the end-of-text token's text when it is not one of the usual names "
+                        "(e.g. '<|eot_id|>'); an error if the tokenizer has no such token")
     p.add_argument("--key", default="text", help="JSON field / Parquet column holding the text (default: text)")
     p.set_defaults(func=run_prepare)
     q = sub.add_parser("inspect", help="documents, tokens and dtype of prepared shards")
@@ -38,7 +41,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     from trident.data.prepare import prepare
     try:
         summary = prepare(args.inputs, args.tokenizer, args.out, workers=args.workers,
-                          append_eod=args.append_eod, key=args.key)
+                          append_eod=args.append_eod, key=args.key, eod_token=args.eod_token)
     except (OSError, ValueError, ImportError) as err:
         print(f"trident data prepare: {err}", file=sys.stderr)
         return 1

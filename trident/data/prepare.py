@@ -94,14 +94,21 @@ def resolve_tokenizer(spec: str | None) -> Tokenizer:
     return backend
 
 
-def eod_id(tokenizer: Tokenizer) -> int:
-    """The end-of-document token id: the first of `EOD_NAMES` in the vocabulary."""
+def eod_id(tokenizer: Tokenizer, name: str | None = None) -> int:
+    """The end-of-document token id: `name` when given (tokenizers whose end-of-text token is
+    called something else, e.g. `<|eot_id|>`), else the first of `EOD_NAMES` in the vocabulary."""
+    if name is not None:
+        token = tokenizer.token_to_id(name)
+        if token is None:
+            raise ValueError(f"--eod-token {name!r} is not in the tokenizer's vocabulary "
+                             f"({tokenizer.get_vocab_size(with_added_tokens=True):,} tokens); give a token it has")
+        return token
     for name in EOD_NAMES:
         token = tokenizer.token_to_id(name)
         if token is not None:
             return token
     raise ValueError(f"--append-eod: the tokenizer has none of the end-of-document tokens {EOD_NAMES}; "
-                     f"prepare without --append-eod or use a tokenizer with one of them")
+                     f"name the tokenizer's own with --eod-token TEXT, or prepare without --append-eod")
 
 
 # -- reading documents -------------------------------------------------------------------------
@@ -225,7 +232,8 @@ class _Progress:
 
 
 def prepare(inputs: list[str | os.PathLike], tokenizer: str | Tokenizer | None, out: str | os.PathLike,
-            workers: int = 1, append_eod: bool = False, key: str = "text", progress: bool = True) -> PrepareSummary:
+            workers: int = 1, append_eod: bool = False, key: str = "text", progress: bool = True,
+            eod_token: str | None = None) -> PrepareSummary:
     """Tokenize `inputs` into `out/<name>.bin/.idx`, one shard per input; see the module docstring."""
     if workers < 1:
         raise ValueError(f"workers={workers}: give at least 1 worker process")
@@ -243,7 +251,9 @@ def prepare(inputs: list[str | os.PathLike], tokenizer: str | Tokenizer | None, 
         names[name] = path
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else resolve_tokenizer(tokenizer)
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    eod = eod_id(tok) if append_eod else None
+    if eod_token is not None and not append_eod:
+        raise ValueError(f"--eod-token {eod_token!r} only applies with --append-eod; add --append-eod")
+    eod = eod_id(tok, eod_token) if append_eod else None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     summary = PrepareSummary()

@@ -77,17 +77,21 @@ class SearchResult:
     invalid: list[tuple[Layout, list[str]]] = field(default_factory=list)
 
     def format(self, top: int = 10, rejected: int = 10) -> str:
+        closest = sorted(self.too_big, key=lambda c: (c.estimate.memory.device_total, c.layout.describe()))
+        # the layout column is as wide as its longest entry plus two spaces, so a long layout
+        # (offload=cpu/cpu) never runs into the next column
+        shown = self.ranked[:top] + closest[:rejected]
+        w = max([52] + [len(c.layout.describe()) + 2 for c in shown])
         lines = [f"{len(self.ranked)} layouts fit, {len(self.too_big)} do not fit in memory, "
                  f"{len(self.invalid)} (dp, cp, tp, pp) splits are invalid for this model", "",
-                 f"{'#':>3}  {'layout':<52}{'tok/s/GPU':>10}{'MFU':>7}{'step s':>9}{'GiB':>8}  why"]
+                 f"{'#':>3}  {'layout':<{w}}{'tok/s/GPU':>10}{'MFU':>7}{'step s':>9}{'GiB':>8}  why"]
         for i, c in enumerate(self.ranked[:top], 1):
             t, m = c.estimate.time, c.estimate.memory
-            lines.append(f"{i:>3}  {c.layout.describe():<52}{t.tokens_per_s_per_gpu:>10.1f}{100 * t.mfu:>6.1f}%"
+            lines.append(f"{i:>3}  {c.layout.describe():<{w}}{t.tokens_per_s_per_gpu:>10.1f}{100 * t.mfu:>6.1f}%"
                          f"{t.step:>9.3f}{m.device_total / GiB:>8.1f}  {c.reason}")
         if self.too_big:
             lines += ["", f"does not fit (the {min(rejected, len(self.too_big))} closest of {len(self.too_big)}):"]
-            closest = sorted(self.too_big, key=lambda c: (c.estimate.memory.device_total, c.layout.describe()))
-            lines += [f"     {c.layout.describe():<52}{c.reason}" for c in closest[:rejected]]
+            lines += [f"     {c.layout.describe():<{w}}{c.reason}" for c in closest[:rejected]]
         if self.invalid:
             lines += ["", "invalid splits:"] + [f"     {_split_text(lay)}: {'; '.join(why)}"
                                                 for lay, why in self.invalid]
