@@ -27,6 +27,16 @@ def test_integer_keys_written_as_whole_floats():
         load(steps_per_print=10.5)  # not a whole number: still refused
 
 
+def test_steps_per_print_infinity_is_never(tmp_path):
+    """accelerate writes steps_per_print = float("inf") into every DeepSpeed config it builds."""
+    assert load(steps_per_print=float("inf")).steps_per_print is None
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 2, "steps_per_print": Infinity}')
+    assert load_config(str(path)).steps_per_print is None
+    with pytest.raises(ConfigError, match="steps_per_print"):
+        load(steps_per_print=float("-inf"))
+
+
 def test_zero_lr_is_accepted_and_a_negative_one_refused():
     cfg = load(optimizer={"type": "AdamW", "params": {"lr": 0.0}},
                scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 5}})

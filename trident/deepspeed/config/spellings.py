@@ -5,6 +5,8 @@ Runs first in the dialect's translation (before `rules`):
   - `communication_data_type: "bfp16"` (Megatron-DeepSpeed's configs write bf16 so) is `"bf16"`;
   - an integer setting written as a whole float (`"steps_per_print": 100000.0`, `"stage": 2.0`)
     is that integer: DeepSpeed reads top-level scalars untyped and its pydantic sections coerce;
+  - `steps_per_print: Infinity` (accelerate writes `float("inf")` into every config it hands
+    DeepSpeed) is "never print", trident's null;
   - `tensor_parallel.autotp_size: N` (DeepSpeed AutoTP) is `tensor_parallel.size: N` with the plan
     `"auto"` (the model's own tensor-parallel plan, else the preset of its model type);
   - a top-level section trident does not know that is switched on (`"transformer_engine": {"enabled": true}`)
@@ -37,6 +39,7 @@ def translate(data: dict, known_top_level: frozenset[str]) -> tuple[dict, list[N
     data = dict(data)
     _comm_dtype(data, notes)
     _autotp(data, notes, issues)
+    _never_print(data, notes)
     data = _integral_floats(data, TridentConfig)
     issues += switched_on_unknown_sections(data, known_top_level)
     return data, notes, issues
@@ -48,6 +51,14 @@ def _comm_dtype(data: dict, notes: list[Note]) -> None:
         data["communication_data_type"] = COMM_DTYPE_SPELLINGS[value.lower()]
         notes.append(Note("communication_data_type", "renamed",
                           f"{value!r} read as {COMM_DTYPE_SPELLINGS[value.lower()]!r}"))
+
+
+def _never_print(data: dict, notes: list[Note]) -> None:
+    """DeepSpeed prints when `step % steps_per_print == 0`: an infinite period never prints."""
+    value = data.get("steps_per_print")
+    if isinstance(value, float) and value == float("inf"):
+        data["steps_per_print"] = None
+        notes.append(Note("steps_per_print", "renamed", "inf read as null (never print)"))
 
 
 def _autotp(data: dict, notes: list[Note], issues: list[ConfigIssue]) -> None:
