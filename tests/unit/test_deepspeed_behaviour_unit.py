@@ -26,6 +26,22 @@ def _backward_returns() -> None:
     engine.step()
 
 
+def _config_reads_as_a_dict() -> None:
+    config = {**CONFIG, "zero_optimization": {"stage": 1}, "my_key": {"a": 1}}
+    engine, *_ = trident.initialize(model=torch.nn.Linear(4, 1), config=config, mesh=cached_mesh())
+    # transformers' save_model: self.deepspeed.config.get("zero_optimization", {}).get("stage", None) == 3
+    assert engine.config.get("zero_optimization", {}).get("stage") == 1
+    assert engine.config.get("tensor_parallel", {}).get("autotp_size", 1) == 1  # absent: the default
+    assert engine.config.get("my_key", "absent") == "absent"  # a key trident does not keep
+    assert engine.config.get("gradient_clipping") == 0.0
+    assert engine.config.zero_optimization.stage == 1  # trident's typed view is unchanged
+
+
+def test_engine_config_reads_as_the_dict_it_was_given():
+    """DeepSpeed's engine.config is the config dict passed to initialize; transformers calls .get on it."""
+    run_on_ranks(1, _config_reads_as_a_dict)
+
+
 def test_backward_returns_the_loss_divided_by_accumulation_steps():
     """DeepSpeed's engine.backward returns loss / gradient_accumulation_steps (here 2)."""
     run_on_ranks(1, _backward_returns)

@@ -114,6 +114,12 @@ class TridentConfig(Section):
     """Keys the loader accepted without using (`trident.config.notes.Note`): DeepSpeed keys with
     no effect here and unknown keys; `trident.initialize` lists them in one start-up line."""
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """A top-level section of this config as plain data: DeepSpeed's `engine.config` is the
+        config dict, and transformers reads it so (`engine.config.get("zero_optimization", {}).get("stage")`).
+        Keys trident does not keep (unknown or ignored ones) read as `default`."""
+        return self.model_dump().get(key, default)
+
     @model_validator(mode="after")
     def _experts_divide(self) -> TridentConfig:
         moe, ep = self.model.moe, self.expert_parallel.size
