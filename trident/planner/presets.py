@@ -234,7 +234,11 @@ class GPUSpec:
     an `fp8` workload's GEMMs go at the 16-bit rate (torchao's emulation is no faster)."""
     attention_rates: tuple[tuple[int, float], ...] = ()
     """(head width, FLOP/s) of the fused attention kernel, forward and backward, as measured here;
-    empty: its GEMMs go at the GEMM curve's rate (a GPU's flash attention runs near it)."""
+    empty: the published Hopper rates where `hopper_attention`, else its GEMMs go at the GEMM
+    curve's rate."""
+    hopper_attention: bool = False
+    """Flash attention goes at the published Hopper shares of peak for the kernels that run it
+    (`trident.planner.kernels.FLASH_ATTENTION_SHARE`)."""
 
     def gemm_curve(self) -> GemmTable | GemmCurve:
         """Seconds of a GEMM by shape: the measured table when there is one, else the published curve."""
@@ -285,10 +289,10 @@ GPU_PRESETS: dict[str, GPUSpec] = {g.name: g for g in [
     GPUSpec("a100-40gb", 312e12, 40 * GiB, 1555e9, 300e9, 25e9, 25e9),
     GPUSpec("a100-80gb", 312e12, 80 * GiB, 2039e9, 300e9, 25e9, 25e9),
     GPUSpec("h100-80gb", 989e12, 80 * GiB, 3350e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70, sms=132,
-            gemm_depth=H100_GEMM_DEPTH, fp8_peak_flops=1979e12),
+            gemm_depth=H100_GEMM_DEPTH, fp8_peak_flops=1979e12, hopper_attention=True),
     # nvidia-smi reports 143771 MiB (140 GiB) for the "141 GB" H200.
     GPUSpec("h200-141gb", 989e12, 140 * GiB, 4800e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70, sms=132,
-            gemm_depth=H100_GEMM_DEPTH, fp8_peak_flops=1979e12),
+            gemm_depth=H100_GEMM_DEPTH, fp8_peak_flops=1979e12, hopper_attention=True),
 ]}
 
 
