@@ -64,3 +64,19 @@ def test_cli_kernels_default_follows_the_compile_section(tmp_path, capsys):
         runs[name] = (data["workload"]["kernels"], data["time"]["tokens_per_s_per_gpu"])
     assert [runs[n][0] for n in ("eager", "compile", "flag", "fused")] == ["eager", "compile", "compile", "fused"]
     assert runs["eager"][1] < runs["compile"][1] == runs["flag"][1] < runs["fused"][1]
+
+
+def test_per_op_checkpointing_keeps_matmul_outputs_and_recomputes_the_rest():
+    """ckpt="op": memory between full and none, recompute only the element-wise chain (no FLOPs)."""
+    w = Workload(8192, 16, "bf16", "adamw", kernels="eager")
+    cluster = make_cluster("h100-80gb", 8)
+    est = {c: estimate(LLAMA, Layout(8, 1, 1, 3, 2, c), cluster, w) for c in ("none", "op", "full")}
+    act = {c: e.memory.activations for c, e in est.items()}
+    assert act["full"] < act["op"] < act["none"]
+    step = {c: e.time.step for c, e in est.items()}
+    assert step["none"] < step["op"] < step["full"]
+    assert est["op"].time.hardware_flops_per_gpu == pytest.approx(est["op"].time.model_flops_per_gpu)
+    kept = act["op"] / (2 * 8192 * LLAMA.n_layer)  # bytes per token and layer, plus the head's share
+    h, kv, ff = LLAMA.d_model, LLAMA.kv_dim, LLAMA.ff_dim
+    per_layer = 2 * (3 * h + h + 2 * kv + h + 2 * ff) + 4 * LLAMA.n_head
+    assert kept >= per_layer

@@ -155,6 +155,8 @@ def micro_batch_compute(model: ModelSpec, layout: Layout, workload: Workload, cl
     elif layout.activation_checkpointing == "selective":
         scores = layer_gemms(model, layout, workload)[4:]
         recompute = layers * sum(gemm_seconds(curve, m, n, k, e, c) for m, n, k, c in scores)
+    elif layout.activation_checkpointing == "op":  # no GEMM or attention again: the element-wise chain only
+        recompute = layers * (elementwise_bytes / bandwidth + k_fwd * g.kernel_seconds)
     else:
         recompute = 0.0
     return MicroBatchCompute(forward, backward + recompute, recompute)

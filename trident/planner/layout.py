@@ -16,7 +16,10 @@ from trident.planner.compression import CommCompression
 from trident.planner.kernels import check_kernels
 from trident.planner.presets import ModelSpec
 
-Checkpointing = Literal["none", "selective", "full"]
+Checkpointing = Literal["none", "selective", "op", "full"]
+"""none; selective (Megatron's: the attention scores); op (per-op selective, torch's selective
+checkpointing with a policy: matmul and attention outputs saved, everything else recomputed);
+full (each layer's input only)."""
 Offload = Literal["none", "cpu", "nvme"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 Precision = Literal["bf16", "fp16", "fp32"]

@@ -6,7 +6,8 @@ measured here), its element-wise traffic (norms, activations, dropout, residual 
 softmax) at the sustained memory bandwidth, and a fixed cost per kernel. Training FLOPs are 3x forward (backward computes two
 products per forward one: 6 x parameters x tokens for the dense part); full activation
 checkpointing runs each layer's forward again in backward (4x), selective checkpointing only
-the attention scores. MFU counts the 3x FLOPs only, HFU the recomputation too (Korthikanti et
+the attention scores, per-op checkpointing ("op") only the element-wise chain between the saved
+matmul outputs (no FLOPs counted). MFU counts the 3x FLOPs only, HFU the recomputation too (Korthikanti et
 al. 2022, section 6; Chowdhery et al. 2022, appendix B).
 
 Per micro-batch the forward takes t_f and the backward t_b (tensor-parallel collectives and
