@@ -101,6 +101,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--fp8", action="store_true", default=False,
                    help="price the layers' dense GEMMs at the GPU's FP8 rate and their float8 casts at its memory "
                         "bandwidth (the config's fp8.enabled does too)")
+    p.add_argument("--kernels", choices=("eager", "compile", "fused"), default=None,
+                   help="the kernels of the memory-bound work between GEMMs and of attention: eager PyTorch, "
+                        "torch.compile of each block, or hand-fused (Megatron / Transformer Engine); default: what "
+                        "trident runs, compile when the config's compile section is on, else eager")
     p.add_argument("--lora-r", type=positive_int, default=None,
                    help="LoRA fine-tuning with adapters of this rank (default: full training, or --config's lora.r)")
     p.add_argument("--lora-targets", type=_lora_targets, default=DEFAULT_LORA_TARGETS,
@@ -186,6 +190,7 @@ def _config_layout(path: str, gpus: int) -> tuple[Layout, dict]:
                     "micro_batch_open": cfg.train_micro_batch_size_per_gpu is None,
                     "compression": compression_from_config(json.loads(Path(path).read_text())),
                     "lora_r": lora_r, "cp_method": method, "fp8": cfg.fp8.enabled,
+                    "kernels": "compile" if cfg.compile.enabled else "eager",
                     "cp_ulysses_size": cp_section.ulysses_size if method == "hybrid" else None}
 
 
@@ -257,7 +262,8 @@ def run(args: argparse.Namespace, out=None) -> int:
                                 cp_method=args.cp_method or cfg["cp_method"],
                                 cp_ulysses_size=None if args.cp_method else cfg["cp_ulysses_size"],
                                 compression=cfg["compression"] if cfg["compression"].active else None,
-                                attention=attention, dropout=dropout, fp8=args.fp8 or cfg["fp8"], **cfg["buckets"])
+                                attention=attention, dropout=dropout, fp8=args.fp8 or cfg["fp8"],
+                                kernels=args.kernels or cfg["kernels"], **cfg["buckets"])
             if cfg["micro_batch_open"]:  # the config leaves it open: the largest that fits
                 est = fit_micro_batch(model, layout, cluster, workload)
             else:
@@ -266,7 +272,8 @@ def run(args: argparse.Namespace, out=None) -> int:
             return 0 if est.valid and est.fits else 1
         workload = Workload(seq, args.global_batch or _default_batch(seq, args.gpus), args.precision or "bf16",
                             args.optimizer, lora_r=args.lora_r or 0, lora_targets=args.lora_targets,
-                            cp_method=args.cp_method or "ring", attention=attention, dropout=dropout, fp8=args.fp8)
+                            cp_method=args.cp_method or "ring", attention=attention, dropout=dropout, fp8=args.fp8,
+                            kernels=args.kernels or "eager")
         result = search(model, cluster, workload)
     except (ValueError, OSError) as err:
         print(f"trident plan: {err}", file=sys.stderr)

@@ -28,14 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trident.planner.gemm import attention_rate, gemm_seconds
+from trident.planner.kernels import KERNELS_PER_LAYER, flash_share, loss_bytes, rmsnorm_extra_kernels
 from trident.planner.layout import Layout, Workload, attention_kind, local_seq_len, stage_layers
 from trident.planner.presets import Cluster, ModelSpec
 
-KERNELS_FORWARD = 16
+KERNELS_FORWARD, KERNELS_BACKWARD = KERNELS_PER_LAYER["fused"]
 """Kernels of one layer's forward besides its GEMMs: two norms, the activation, two residual
 adds, head split/merge copies, softmax (or the fused attention), dropouts, bias adds."""
-KERNELS_BACKWARD = 24
-"""Their backward kernels (most element-wise ops have one or two)."""
+"""(KERNELS_BACKWARD: their backward kernels; most element-wise ops have one or two.)"""
 KERNELS_HEAD = 8
 """Embedding lookup, final norm, loss (log-softmax, gather, mean) forward and backward."""
 LOSS_PASSES = (4, 5)
@@ -105,10 +105,11 @@ def _fwd_bwd(curve, m: float, n: float, k: float, count: float, e: int) -> tuple
 
 
 def micro_batch_compute(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster,
-                        elementwise_bytes: float) -> MicroBatchCompute:
+                        elementwise_bytes: float, elementwise_backward: float | None = None) -> MicroBatchCompute:
     """Forward, backward and recompute seconds of one micro-batch on the busiest stage.
 
-    `elementwise_bytes` is one layer's element-wise traffic for the micro-batch."""
+    `elementwise_bytes` is one layer's element-wise traffic for the micro-batch, forward;
+    `elementwise_backward` its backward's (None: twice the forward's)."""
     g = cluster.gpu
     curve, e = g.gemm_curve(), workload.activation_bytes
     layers = stage_layers(model, layout.pp)
@@ -124,21 +125,28 @@ def micro_batch_compute(model: ModelSpec, layout: Layout, workload: Workload, cl
         cast_f, cast_b = fp8_cast_bytes(model, layout, workload)
         fwd_layer += cast_f / (g.hbm_bandwidth * g.memory_efficiency)
         bwd_layer += cast_b / (g.hbm_bandwidth * g.memory_efficiency)
-    if flash and g.attention_rates:  # the fused kernel at its measured rate
+    if flash and (g.attention_rates or g.hopper_attention):  # the fused kernel at its measured / published rate
         flops = sum(2.0 * m * n * k * count for m, n, k, count in attention)
-        rate = attention_rate(g.attention_rates, model.d_model / model.n_head)
+        if g.attention_rates:
+            rate = attention_rate(g.attention_rates, model.d_model / model.n_head)
+        else:
+            rate = flash_share(workload.kernels) * g.peak_flops
         fwd_layer, bwd_layer = fwd_layer + flops / rate, bwd_layer + 2 * flops / rate
     else:
         for m, n, k, count in attention:
             f, b = _fwd_bwd(curve, m, n, k, count, 0 if flash else e)  # flash keeps scores on chip
             fwd_layer, bwd_layer = fwd_layer + f, bwd_layer + b
-    ew = elementwise_bytes / (g.hbm_bandwidth * g.memory_efficiency)
-    fwd_layer += ew + KERNELS_FORWARD * g.kernel_seconds
-    bwd_layer += 2 * ew + KERNELS_BACKWARD * g.kernel_seconds
+    bandwidth = g.hbm_bandwidth * g.memory_efficiency
+    ew_bwd = 2 * elementwise_bytes if elementwise_backward is None else elementwise_backward
+    k_fwd, k_bwd = KERNELS_PER_LAYER[workload.kernels]
+    k_fwd += rmsnorm_extra_kernels(workload.kernels, model.norm)
+    fwd_layer += elementwise_bytes / bandwidth + k_fwd * g.kernel_seconds
+    bwd_layer += ew_bwd / bandwidth + k_bwd * g.kernel_seconds
     tokens = layout.micro_batch * local_seq_len(layout, workload)
     head_f, head_b = _fwd_bwd(curve, tokens, model.vocab_size / layout.tp, model.d_model, 1, e)
     logits = tokens * model.vocab_size / layout.tp
-    loss_f, loss_b = (logits * b / (g.hbm_bandwidth * g.memory_efficiency) for b in loss_bytes_per_logit(e))
+    loss_f, loss_b = (logits * b / bandwidth
+                      for b in loss_bytes(workload.kernels, e, loss_bytes_per_logit(e)))
     head_f, head_b = head_f + loss_f, head_b + loss_b
     head_k = KERNELS_HEAD * g.kernel_seconds
     forward, backward = layers * fwd_layer + head_f + head_k / 2, layers * bwd_layer + head_b + head_k / 2
@@ -147,6 +155,8 @@ def micro_batch_compute(model: ModelSpec, layout: Layout, workload: Workload, cl
     elif layout.activation_checkpointing == "selective":
         scores = layer_gemms(model, layout, workload)[4:]
         recompute = layers * sum(gemm_seconds(curve, m, n, k, e, c) for m, n, k, c in scores)
+    elif layout.activation_checkpointing == "op":  # no GEMM or attention again: the element-wise chain only
+        recompute = layers * (elementwise_bytes / bandwidth + k_fwd * g.kernel_seconds)
     else:
         recompute = 0.0
     return MicroBatchCompute(forward, backward + recompute, recompute)

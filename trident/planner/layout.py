@@ -13,9 +13,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trident.planner.compression import CommCompression
+from trident.planner.kernels import check_kernels
 from trident.planner.presets import ModelSpec
 
-Checkpointing = Literal["none", "selective", "full"]
+Checkpointing = Literal["none", "selective", "op", "full"]
+"""none; selective (Megatron's: the attention scores); op (per-op selective, torch's selective
+checkpointing with a policy: matmul and attention outputs saved, everything else recomputed);
+full (each layer's input only)."""
 Offload = Literal["none", "cpu", "nvme"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -129,6 +133,11 @@ class Workload:
     zero3_prefetch_elems: int = 50_000_000
     zero3_persistence_threshold: int = 100_000
     zero3_max_reuse_distance: int = 1_000_000_000
+    kernels: str = "fused"
+    """The kernels of the memory-bound work between GEMMs and of attention: "eager", "compile"
+    or "fused" (`trident.planner.kernels`). The dataclass default is "fused", the pricing the
+    published Megatron rows were fitted with; `trident plan` passes what trident runs (compile
+    when the `compile` section is on, else eager)."""
     fp8: bool = False
     """The layers' dense GEMMs (qkv, attention out, MLP in and out, forward and backward) run in
     float8 (the `fp8` section) at the GPU's FP8 rate; attention's batched GEMMs and the head stay
@@ -136,6 +145,7 @@ class Workload:
     (`trident.planner.compute.fp8_cast_bytes`)."""
 
     def __post_init__(self) -> None:
+        check_kernels(self.kernels)
         if self.cp_method not in CP_METHODS:
             raise ValueError(f"cp_method must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}")
         if self.cp_method == "hybrid" and (not isinstance(self.cp_ulysses_size, int) or self.cp_ulysses_size < 1):

@@ -228,12 +228,18 @@ def layer_activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, tp:
       kernel's output is that same tensor, plus 4 bytes of log-sum-exp per head), the MLP's
       hidden activations (2 or 3 x e d_ff/h), and with eager attention the softmax (e a s/h),
       its dropout mask and output ((1 + e) a s/h).
-    "selective" recomputes the a s/h terms; "full" keeps only the layer's input (e).
+    "selective" recomputes the a s/h terms; "full" keeps only the layer's input (e); "op" (per-op
+    selective) keeps the layer's input (e) and the outputs of its matmuls and attention: q, k, v
+    (e + 2e kv/h), the attention output and its log-sum-exp (e + 4 a/h), the output projection's
+    (e), the MLP's input projections (1 or 2 x e d_ff/h) and its output projection (e).
     """
     s, b, h, a = seq_len, micro_batch, model.d_model, model.n_head
     e = act_bytes
     if checkpointing == "full":
         return s * b * h * e / (tp if sp else 1)
+    if checkpointing == "op":
+        split = e * (1 + 2 * model.kv_dim / h) + e + 4 * a / h + e * (2 if model.gated_mlp else 1) * model.ff_dim / h
+        return s * b * h * ((e + 2 * e) / (tp if sp else 1) + split / tp)
     whole = 4 * e + (2 if dropout else 0)
     split = e * (1 + 2 * model.kv_dim / h) + e + e * (3 if model.gated_mlp else 2) * model.ff_dim / h
     if attention == "flash":

@@ -234,7 +234,11 @@ class GPUSpec:
     an `fp8` workload's GEMMs go at the 16-bit rate (torchao's emulation is no faster)."""
     attention_rates: tuple[tuple[int, float], ...] = ()
     """(head width, FLOP/s) of the fused attention kernel, forward and backward, as measured here;
-    empty: its GEMMs go at the GEMM curve's rate (a GPU's flash attention runs near it)."""
+    empty: the published Hopper rates where `hopper_attention`, else its GEMMs go at the GEMM
+    curve's rate."""
+    hopper_attention: bool = False
+    """Flash attention goes at the published Hopper shares of peak for the kernels that run it
+    (`trident.planner.kernels.FLASH_ATTENTION_SHARE`)."""
 
     def gemm_curve(self) -> GemmTable | GemmCurve:
         """Seconds of a GEMM by shape: the measured table when there is one, else the published curve."""
@@ -285,10 +289,17 @@ GPU_PRESETS: dict[str, GPUSpec] = {g.name: g for g in [
     GPUSpec("a100-40gb", 312e12, 40 * GiB, 1555e9, 300e9, 25e9, 25e9),
     GPUSpec("a100-80gb", 312e12, 80 * GiB, 2039e9, 300e9, 25e9, 25e9),
     GPUSpec("h100-80gb", 989e12, 80 * GiB, 3350e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70, sms=132,
-            gemm_depth=H100_GEMM_DEPTH, fp8_peak_flops=1979e12),
+            gemm_depth=H100_GEMM_DEPTH, fp8_peak_flops=1979e12, hopper_attention=True),
+    # torchtitan's Grand Teton H100 (benchmarks/llama3_h100_202412_torchtitan.md): SXM with 96 GB
+    # of HBM2e at 2.4 TB/s, run at the default 500 W; "the actual peak TFLOPs number is between SXM
+    # and NVL, and we don't know its exact value" (its footnote 2). The preset takes the midpoint
+    # of the data sheets' dense figures, SXM 989 / NVL 835 TFLOP/s bf16 and 1979 / 1670 FP8; 94 GiB
+    # usable (torchtitan's docs/performance.md: "H100 (94GB memory)").
+    GPUSpec("h100-96gb-500w", (989e12 + 835e12) / 2, 94 * GiB, 2400e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70,
+            sms=132, gemm_depth=H100_GEMM_DEPTH, fp8_peak_flops=(1979e12 + 1670e12) / 2, hopper_attention=True),
     # nvidia-smi reports 143771 MiB (140 GiB) for the "141 GB" H200.
     GPUSpec("h200-141gb", 989e12, 140 * GiB, 4800e9, 450e9, 50e9, 50e9, gemm_efficiency=0.70, sms=132,
-            gemm_depth=H100_GEMM_DEPTH, fp8_peak_flops=1979e12),
+            gemm_depth=H100_GEMM_DEPTH, fp8_peak_flops=1979e12, hopper_attention=True),
 ]}
 
 

@@ -6,7 +6,8 @@ measured here), its element-wise traffic (norms, activations, dropout, residual 
 softmax) at the sustained memory bandwidth, and a fixed cost per kernel. Training FLOPs are 3x forward (backward computes two
 products per forward one: 6 x parameters x tokens for the dense part); full activation
 checkpointing runs each layer's forward again in backward (4x), selective checkpointing only
-the attention scores. MFU counts the 3x FLOPs only, HFU the recomputation too (Korthikanti et
+the attention scores, per-op checkpointing ("op") only the element-wise chain between the saved
+matmul outputs (no FLOPs counted). MFU counts the 3x FLOPs only, HFU the recomputation too (Korthikanti et
 al. 2022, section 6; Chowdhery et al. 2022, appendix B).
 
 Per micro-batch the forward takes t_f and the backward t_b (tensor-parallel collectives and
@@ -29,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trident.planner.comm import Traffic, step_traffic
+from trident.planner.kernels import gated_activation_bytes, norm_bytes, rotary_bytes
 from trident.planner.compute import micro_batch_compute
 from trident.planner.layout import Layout, Workload, attention_kind, grad_accumulation, local_seq_len, stage_layers
 from trident.planner.memory import StateBytes, rank_parameter_counts
@@ -53,21 +55,41 @@ def training_flops_per_token(model: ModelSpec, seq_len: int, checkpointing: str 
 
 
 def elementwise_bytes_per_token(model: ModelSpec, seq_len: int, layout: Layout, workload: Workload) -> float:
-    """HBM traffic of one layer's element-wise kernels in forward, per token, on one tp rank.
+    """HBM traffic of one layer's element-wise kernels in forward, per token, on one tp rank
+    (`elementwise_bytes_fwd_bwd`'s forward)."""
+    return elementwise_bytes_fwd_bwd(model, seq_len, layout, workload)[0]
 
-    Kept whole on every tp rank (unless sequence parallel): two norms (read + write e h each)
-    and two bias-dropout-residual adds (read 2 e h, write e h, and a mask). Split over tp: the
-    MLP activation (read and write e d_ff, gated: read 2, write 1) and, for eager attention,
-    scale-mask-softmax and its dropout over the a x s scores of each token.
+
+def elementwise_bytes_fwd_bwd(model: ModelSpec, seq_len: int, layout: Layout,
+                              workload: Workload) -> tuple[float, float]:
+    """(forward, backward) HBM traffic of one layer's element-wise kernels per token on one tp rank,
+    under `workload.kernels` (`trident.planner.kernels` counts each op's passes).
+
+    Kept whole on every tp rank (unless sequence parallel): two norms and two
+    bias-dropout-residual adds (read 2 e h, write e h, and a mask). Split over tp: the MLP
+    activation over d_ff, rotary over q and k, and, for eager attention, scale-mask-softmax and
+    its dropout over the a x s scores of each token (flash: q, k, v read and the output written once).
     """
+    kern = workload.kernels
     e, h, t = workload.activation_bytes, model.d_model, layout.tp
-    whole = (4 * e + 6 * e + (2 if workload.dropout else 0)) * h
-    split = (3 if model.gated_mlp else 2) * e * model.ff_dim
-    if attention_kind(layout, workload) == "eager":
-        split += (2 * e + ((2 * e + 1) if workload.dropout else 0)) * model.n_head * seq_len
+    norm_f, norm_b = norm_bytes(kern, model.norm, e)
+    residual = (6 * e + (2 if workload.dropout else 0)) * h
+    whole_f, whole_b = 2 * norm_f * h + residual, 2 * norm_b * h + 2 * residual
+    if model.gated_mlp:
+        act_f, act_b = gated_activation_bytes(kern, e)
     else:
-        split += 4 * e * h  # the fused kernel reads q, k, v and writes its output once
-    return whole / (t if layout.sequence_parallel else 1) + split / t
+        act_f, act_b = 2 * e, 4 * e
+    split_f, split_b = act_f * model.ff_dim, act_b * model.ff_dim
+    if model.position == "rotary":
+        rot_f, rot_b = rotary_bytes(kern, e)
+        split_f, split_b = split_f + rot_f * (h + model.kv_dim), split_b + rot_b * (h + model.kv_dim)
+    if attention_kind(layout, workload) == "eager":
+        scores = (2 * e + ((2 * e + 1) if workload.dropout else 0)) * model.n_head * seq_len
+    else:
+        scores = 4 * e * h  # the fused kernel reads q, k, v and writes its output once
+    split_f, split_b = split_f + scores, split_b + 2 * scores
+    sp = t if layout.sequence_parallel else 1
+    return whole_f / sp + split_f / t, whole_b / sp + split_b / t
 
 
 @dataclass(frozen=True)
@@ -86,8 +108,8 @@ class StageTime:
 def _stage_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster,
                 traffic: list[Traffic], gas: int) -> StageTime:
     tokens = layout.micro_batch * local_seq_len(layout, workload)  # cp: each rank's share of every sequence
-    ew = tokens * elementwise_bytes_per_token(model, workload.seq_len, layout, workload)
-    mb = micro_batch_compute(model, layout, workload, cluster, ew)
+    ew_f, ew_b = (tokens * b for b in elementwise_bytes_fwd_bwd(model, workload.seq_len, layout, workload))
+    mb = micro_batch_compute(model, layout, workload, cluster, ew_f, ew_b)
     fwd, bwd = mb.forward, mb.backward
     tp = sum(x.seconds for x in traffic if x.axis in ("tp", "ep")) / gas  # ep: MoE all-to-alls, also blocking
     pp = sum(x.seconds for x in traffic if x.axis == "pp") / gas

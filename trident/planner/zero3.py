@@ -170,7 +170,7 @@ def zero3_schedule(model: ModelSpec, layout: Layout, workload: Workload, cluster
     f_scale = forward / max(1e-30, layers * sum(fw) + head_f)
     r_scale = recompute / max(1e-30, layers * sum(fw)) if full else 0.0
     b_scale = (backward - recompute) / max(1e-30, layers * sum(bw) + head_b)
-    selective = recompute / layers if layout.activation_checkpointing == "selective" else 0.0
+    selective = recompute / layers if layout.activation_checkpointing in ("selective", "op") else 0.0
     first, last = zero3_outer_modules(model, layout)
     final_norm, head = last[0], sum(last[1:])  # the output layer's own weight when untied (else 0)
     gathered = [i for i, e in enumerate(elems) if e > thr]
