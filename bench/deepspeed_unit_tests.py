@@ -17,7 +17,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH_PY = "/work/main/.venv-bench/bin/python"
+BENCH_PY = str(ROOT / ".venv-bench" / "bin" / "python")  # the Makefile's bench venv
 TARGET = ["runtime/test_ds_config_dict.py", "runtime/test_ds_initialize.py", "runtime/test_lr_schedulers.py",
           "runtime/test_data.py", "runtime/zero/test_zero_context.py", "v1/zero/test_zero.py",
           "checkpoint/test_latest_checkpoint.py", "checkpoint/test_zero_optimizer.py",
