@@ -79,7 +79,8 @@ def initialize(
     checked to be the mesh's. `mesh` lets a caller (a test, or two engines in one process) pass
     the process groups explicitly.
     """
-    assert model is not None, "deepspeed.initialize requires a model"  # DeepSpeed asserts, with this message
+    if model is None:  # DeepSpeed asserts, with this message; raised so that python -O keeps the check
+        raise AssertionError("deepspeed.initialize requires a model")
     source = config if config is not None else config_params
     if source is None and args is not None:
         source = (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
